@@ -1,0 +1,1 @@
+"""Benchmarks: trace-driven routing comparison and balanced K-means timing."""

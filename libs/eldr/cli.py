@@ -1,0 +1,57 @@
+"""The `eldr` command line.
+
+Each subcommand lives next to the code it drives and registers itself through a
+`register(subparsers)` function that adds an argparse parser and sets `func`; this module
+only collects them, so `eldr --help` lists everything the project can do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+# Modules exposing `register(subparsers)`. Imported lazily by name so that a command's
+# heavy imports (matplotlib, nats, sqlalchemy) are paid only when it runs.
+COMMAND_MODULES: tuple[str, ...] = (
+    "eldr.bench.routing_bench",
+    "eldr.bench.kmeans_bench",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="eldr",
+        description="Expert-locality-aware decode routing for PD-disaggregated MoE serving.",
+    )
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            continue  # a command module that is not written yet
+        module.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help()
+        return 2
+    return int(func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

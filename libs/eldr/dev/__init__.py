@@ -1,0 +1,1 @@
+"""Local development stack: embedded nats-server, process supervisor, demo driver."""

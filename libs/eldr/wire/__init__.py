@@ -1,0 +1,1 @@
+"""Typed MessagePack wire schemas (msgspec Structs) for every message on the bus."""

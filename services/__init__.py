@@ -1,0 +1,1 @@
+"""ELDR service processes (package `eldr_services`): thin shells over `eldr` libraries."""

@@ -1,0 +1,1 @@
+"""ELDR router service."""

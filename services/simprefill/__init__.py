@@ -1,0 +1,1 @@
+"""ELDR simprefill service."""

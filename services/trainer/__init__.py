@@ -1,0 +1,1 @@
+"""ELDR trainer service."""
