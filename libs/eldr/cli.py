@@ -18,6 +18,7 @@ from collections.abc import Sequence
 COMMAND_MODULES: tuple[str, ...] = (
     "eldr.bench.routing_bench",
     "eldr.bench.kmeans_bench",
+    "eldr.store.cli",
 )
 
 

@@ -1,0 +1,111 @@
+"""Load decode cost profiles from `cost_profiles.toml` (package data) or a user file."""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from eldr.core.costmodel import CostProfile, GpuProfile, ModelProfile
+
+DEFAULT_PROFILE_FOR_TRACES = "llama4-maverick-fp8-8xh200"
+"""The profile matching the pbc-llama4-mmlu traces' own model (Llama-4-Maverick)."""
+
+
+class ProfileError(ValueError):
+    """A cost-profile file is malformed or names something it does not define."""
+
+
+@dataclass(frozen=True)
+class ProfileCatalog:
+    gpus: dict[str, GpuProfile]
+    models: dict[str, ModelProfile]
+    profiles: dict[str, CostProfile]
+    source: str
+
+    def get(self, name: str) -> CostProfile:
+        try:
+            return self.profiles[name]
+        except KeyError:
+            known = ", ".join(sorted(self.profiles))
+            raise ProfileError(f"unknown cost profile {name!r} (known: {known})") from None
+
+
+def _require(table: dict[str, Any], key: str, where: str) -> Any:
+    if key not in table:
+        raise ProfileError(f"{where}: missing key {key!r}")
+    return table[key]
+
+
+def parse_catalog(doc: dict[str, Any], source: str) -> ProfileCatalog:
+    """Build profiles from a parsed TOML document."""
+    if doc.get("schema") != 1:
+        raise ProfileError(f"{source}: expected schema = 1, got {doc.get('schema')!r}")
+    per_layer_s = float(_require(doc.get("overhead", {}), "per_layer_s", f"{source} [overhead]"))
+    try:
+        gpus = {
+            key: GpuProfile(
+                name=str(_require(t, "name", f"{source} [gpu.{key}]")),
+                hbm_bandwidth_Bps=float(_require(t, "hbm_bandwidth_Bps", f"[gpu.{key}]")),
+                achievable_fraction=float(_require(t, "achievable_fraction", f"[gpu.{key}]")),
+                source=str(t.get("source", "")),
+            )
+            for key, t in doc.get("gpu", {}).items()
+        }
+        models = {}
+        for key, t in doc.get("model", {}).items():
+            where = f"{source} [model.{key}]"
+            models[key] = ModelProfile(
+                name=str(_require(t, "name", where)),
+                num_layers=int(_require(t, "num_layers", where)),
+                num_moe_layers=int(_require(t, "num_moe_layers", where)),
+                num_experts=int(_require(t, "num_experts", where)),
+                top_k=int(_require(t, "top_k", where)),
+                expert_params=float(_require(t, "expert_params", where)),
+                expert_bits_per_param=float(_require(t, "expert_bits_per_param", where)),
+                dense_params=float(_require(t, "dense_params", where)),
+                dense_bits_per_param=float(_require(t, "dense_bits_per_param", where)),
+                kv_bytes_per_token=float(_require(t, "kv_bytes_per_token", where)),
+                source=str(t.get("source", "")),
+            )
+        profiles = {}
+        for key, t in doc.get("profile", {}).items():
+            where = f"{source} [profile.{key}]"
+            model_key = str(_require(t, "model", where))
+            gpu_key = str(_require(t, "gpu", where))
+            if model_key not in models:
+                raise ProfileError(f"{where}: unknown model {model_key!r}")
+            if gpu_key not in gpus:
+                raise ProfileError(f"{where}: unknown gpu {gpu_key!r}")
+            model = models[model_key]
+            overhead_s = float(t.get("overhead_s", per_layer_s * model.num_layers))
+            profiles[key] = CostProfile(
+                name=key,
+                model=model,
+                gpu=gpus[gpu_key],
+                gpus_per_worker=int(_require(t, "gpus_per_worker", where)),
+                overhead_s=overhead_s,
+                description=str(t.get("description", "")),
+            )
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, ProfileError):
+            raise
+        raise ProfileError(f"{source}: {exc}") from exc
+    return ProfileCatalog(gpus=gpus, models=models, profiles=profiles, source=source)
+
+
+def load_catalog(path: Path | None = None) -> ProfileCatalog:
+    """Read the packaged profiles, or those in `path`."""
+    if path is None:
+        text = resources.files("eldr.data").joinpath("cost_profiles.toml").read_text("utf-8")
+        source = "eldr/data/cost_profiles.toml"
+    else:
+        text = Path(path).read_text("utf-8")
+        source = str(path)
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ProfileError(f"{source}: not valid TOML: {exc}") from exc
+    return parse_catalog(doc, source)
