@@ -12,7 +12,7 @@ from eldr.data.profiles import DEFAULT_PROFILE_FOR_TRACES, ProfileError, load_ca
 
 
 def tiny_profile(overhead_s: float = 0.001) -> CostProfile:
-    gpu = GpuProfile("g", hbm_bandwidth_Bps=1e12, achievable_fraction=0.5)
+    gpu = GpuProfile("g", hbm_bytes_per_s=1e12, achievable_fraction=0.5)
     model = ModelProfile(
         "m",
         num_layers=2,
@@ -41,7 +41,7 @@ def test_step_time_grows_with_the_expert_union() -> None:
 
 
 def test_negative_inputs_are_rejected() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="non-negative"):
         tiny_profile().step_time_s(-1, 0)
 
 

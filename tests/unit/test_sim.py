@@ -14,7 +14,7 @@ L = 2
 
 
 def profile(overhead_s: float = 0.01) -> CostProfile:
-    gpu = GpuProfile("g", hbm_bandwidth_Bps=1e9, achievable_fraction=1.0)
+    gpu = GpuProfile("g", hbm_bytes_per_s=1e9, achievable_fraction=1.0)
     model = ModelProfile(
         "m",
         num_layers=L,

@@ -451,18 +451,42 @@ def register(subparsers: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--traces", type=Path, help="trace directory (<label>/<n>.json); default: synthetic")
-    p.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (default: from data)")
-    p.add_argument("--synthetic-requests", type=int, default=400, help="requests to generate without --traces")
+    p.add_argument(
+        "--traces", type=Path, help="trace directory (<label>/<n>.json); default: synthetic"
+    )
+    p.add_argument(
+        "--num-experts", type=int, default=None, help="experts per MoE layer (default: from data)"
+    )
+    p.add_argument(
+        "--synthetic-requests", type=int, default=400, help="requests to generate without --traces"
+    )
     p.add_argument("--decoders", type=int, default=16, help="decode workers (default 16)")
-    p.add_argument("--tau", type=float, default=0.1, help="ELDR band width (default 0.1, the paper's)")
+    p.add_argument(
+        "--tau", type=float, default=0.1, help="ELDR band width (default 0.1, the paper's)"
+    )
     p.add_argument("--load-measure", choices=("requests", "kv_tokens"), default="requests")
-    p.add_argument("--profile", default=DEFAULT_PROFILE_FOR_TRACES, help="cost profile (see cost_profiles.toml)")
+    p.add_argument(
+        "--profile",
+        default=DEFAULT_PROFILE_FOR_TRACES,
+        help="cost profile (see cost_profiles.toml)",
+    )
     p.add_argument("--whatif", default="", help="comma-separated extra cost profiles to report")
-    p.add_argument("--rates", type=_floats, default=None, help="comma-separated arrival rates (req/s)")
-    p.add_argument("--batch-targets", type=_floats, default=None, help="derive rates for these per-worker batch sizes")
+    p.add_argument(
+        "--rates", type=_floats, default=None, help="comma-separated arrival rates (req/s)"
+    )
+    p.add_argument(
+        "--batch-targets",
+        type=_floats,
+        default=None,
+        help="derive rates for these per-worker batch sizes",
+    )
     p.add_argument("--arrivals", type=int, default=None, help="arrivals per rate")
-    p.add_argument("--max-batch", type=int, default=256, help="max running requests per worker (vLLM max_num_seqs)")
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=256,
+        help="max running requests per worker (vLLM max_num_seqs)",
+    )
     p.add_argument("--calibration-fraction", type=float, default=0.4)
     p.add_argument("--quick", action="store_true", help="fewer rates and arrivals (under 60 s)")
     p.add_argument("--seed", type=int, default=0)

@@ -5,7 +5,7 @@ that any token of the batch routed to. The model here is
 
     step_s = overhead_s
              + (dense_bytes + expert_union_total * expert_bytes + kv_tokens * kv_bytes_per_token)
-               / (gpus_per_worker * hbm_bandwidth_Bps * achievable_fraction)
+               / (gpus_per_worker * hbm_bytes_per_s * achievable_fraction)
 
 where `expert_union_total` is the number of distinct (MoE layer, expert) pairs the batch
 activates in this step. Every parameter, its value and its source are listed in
@@ -23,19 +23,19 @@ class GpuProfile:
     """Memory system of one accelerator."""
 
     name: str
-    hbm_bandwidth_Bps: float
+    hbm_bytes_per_s: float
     achievable_fraction: float
     source: str = ""
 
     def __post_init__(self) -> None:
-        if self.hbm_bandwidth_Bps <= 0:
-            raise ValueError(f"{self.name}: hbm_bandwidth_Bps must be positive")
+        if self.hbm_bytes_per_s <= 0:
+            raise ValueError(f"{self.name}: hbm_bytes_per_s must be positive")
         if not 0 < self.achievable_fraction <= 1:
             raise ValueError(f"{self.name}: achievable_fraction must be in (0, 1]")
 
     @property
-    def effective_bandwidth_Bps(self) -> float:
-        return self.hbm_bandwidth_Bps * self.achievable_fraction
+    def effective_bytes_per_s(self) -> float:
+        return self.hbm_bytes_per_s * self.achievable_fraction
 
 
 @dataclass(frozen=True)
@@ -106,8 +106,8 @@ class CostProfile:
             raise ValueError(f"{self.name}: overhead_s must be non-negative")
 
     @property
-    def worker_bandwidth_Bps(self) -> float:
-        return self.gpus_per_worker * self.gpu.effective_bandwidth_Bps
+    def worker_bytes_per_s(self) -> float:
+        return self.gpus_per_worker * self.gpu.effective_bytes_per_s
 
     def step_bytes(self, expert_union_total: float, kv_tokens: float) -> float:
         """Bytes streamed by one decode step."""
@@ -127,7 +127,7 @@ class CostProfile:
         if expert_union_total < 0 or kv_tokens < 0:
             raise ValueError("expert_union_total and kv_tokens must be non-negative")
         return self.overhead_s + self.step_bytes(expert_union_total, kv_tokens) / (
-            self.worker_bandwidth_Bps
+            self.worker_bytes_per_s
         )
 
     def with_overhead(self, overhead_s: float, name: str | None = None) -> CostProfile:

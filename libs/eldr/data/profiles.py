@@ -48,7 +48,7 @@ def parse_catalog(doc: dict[str, Any], source: str) -> ProfileCatalog:
         gpus = {
             key: GpuProfile(
                 name=str(_require(t, "name", f"{source} [gpu.{key}]")),
-                hbm_bandwidth_Bps=float(_require(t, "hbm_bandwidth_Bps", f"[gpu.{key}]")),
+                hbm_bytes_per_s=float(_require(t, "hbm_bytes_per_s", f"[gpu.{key}]")),
                 achievable_fraction=float(_require(t, "achievable_fraction", f"[gpu.{key}]")),
                 source=str(t.get("source", "")),
             )

@@ -1,0 +1,169 @@
+"""The fleet-wide load table a router routes on.
+
+Two inputs keep it current:
+
+- **load reports** from decode workers (periodic): running and waiting requests, KV tokens,
+  and the ids of the requests the worker admitted recently;
+- **assignments** seen on the decisions stream, from *every* router replica, including this
+  one. An assignment is "pending" on its worker until a report lists it as admitted (from
+  then on the report's own counts include it) or until `pending_ttl_s` passes (the request
+  never arrived: the gateway failed or retried elsewhere).
+
+A worker's load is therefore `running + waiting + pending`: the latest report plus what has
+been sent its way since, whoever sent it, so N router replicas do not each see 1/N of the
+load and a burst between two reports is not invisible. A worker whose last report is older
+than `stale_after_s` leaves the table and gets no new requests until it reports again.
+
+Times are monotonic seconds passed in by the caller (no clock reads here).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+RECENT_ADMITTED_MAX = 4096
+"""Per worker, how many recently admitted request ids are remembered, so that an assignment
+seen after the report that already admitted it is not counted twice."""
+
+
+@dataclass
+class WorkerState:
+    worker_id: str
+    incarnation: str
+    seq: int
+    running: int
+    waiting: int
+    kv_tokens: int
+    kv_capacity_tokens: int
+    draining: bool
+    last_report_s: float
+    pending: dict[str, tuple[float, int]] = field(default_factory=dict)
+    recent_admitted: OrderedDict[str, None] = field(default_factory=OrderedDict)
+
+    @property
+    def in_flight(self) -> int:
+        return self.running + self.waiting + len(self.pending)
+
+    @property
+    def kv_load(self) -> int:
+        return self.kv_tokens + sum(kv for _, kv in self.pending.values())
+
+
+@dataclass(frozen=True)
+class Report:
+    """The fields of a decode worker's load report the table uses."""
+
+    worker_id: str
+    incarnation: str
+    seq: int
+    running: int
+    waiting: int
+    kv_tokens: int
+    kv_capacity_tokens: int = 0
+    admitted: tuple[str, ...] = ()
+    draining: bool = False
+
+
+class LoadTable:
+    def __init__(self, stale_after_s: float = 3.0, pending_ttl_s: float = 10.0) -> None:
+        if stale_after_s <= 0 or pending_ttl_s <= 0:
+            raise ValueError("stale_after_s and pending_ttl_s must be positive")
+        self.stale_after_s = stale_after_s
+        self.pending_ttl_s = pending_ttl_s
+        self._workers: dict[str, WorkerState] = {}
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def __contains__(self, worker_id: str) -> bool:
+        return worker_id in self._workers
+
+    def get(self, worker_id: str) -> WorkerState | None:
+        return self._workers.get(worker_id)
+
+    def on_report(self, report: Report, now_s: float) -> bool:
+        """Apply a load report; returns False for a stale (out-of-order) one.
+
+        A new incarnation (the worker restarted) replaces the old state: whatever was
+        pending on the old process is gone with it.
+        """
+        state = self._workers.get(report.worker_id)
+        if (
+            state is not None
+            and state.incarnation == report.incarnation
+            and report.seq <= state.seq
+        ):
+            return False
+        if state is None or state.incarnation != report.incarnation:
+            state = WorkerState(
+                worker_id=report.worker_id,
+                incarnation=report.incarnation,
+                seq=report.seq,
+                running=0,
+                waiting=0,
+                kv_tokens=0,
+                kv_capacity_tokens=0,
+                draining=False,
+                last_report_s=now_s,
+            )
+            self._workers[report.worker_id] = state
+        state.seq = report.seq
+        state.running = report.running
+        state.waiting = report.waiting
+        state.kv_tokens = report.kv_tokens
+        state.kv_capacity_tokens = report.kv_capacity_tokens
+        state.draining = report.draining
+        state.last_report_s = now_s
+        for rid in report.admitted:
+            state.pending.pop(rid, None)
+            state.recent_admitted[rid] = None
+            state.recent_admitted.move_to_end(rid)
+        while len(state.recent_admitted) > RECENT_ADMITTED_MAX:
+            state.recent_admitted.popitem(last=False)
+        return True
+
+    def on_assignment(self, worker_id: str, request_id: str, kv_tokens: int, now_s: float) -> None:
+        """Count a decision (from any router replica) against its worker until admitted."""
+        state = self._workers.get(worker_id)
+        if state is None or request_id in state.recent_admitted:
+            return
+        state.pending.setdefault(request_id, (now_s, kv_tokens))
+
+    def expire(self, now_s: float) -> list[str]:
+        """Drop stale workers and timed-out pending assignments; returns removed workers."""
+        removed = [
+            wid for wid, s in self._workers.items() if now_s - s.last_report_s > self.stale_after_s
+        ]
+        for wid in removed:
+            del self._workers[wid]
+        cutoff = now_s - self.pending_ttl_s
+        for s in self._workers.values():
+            if s.pending:
+                expired = [rid for rid, (t, _) in s.pending.items() if t < cutoff]
+                for rid in expired:
+                    del s.pending[rid]
+        return removed
+
+    def remove(self, worker_id: str) -> None:
+        self._workers.pop(worker_id, None)
+
+    def live_workers(self, now_s: float) -> tuple[str, ...]:
+        """Workers that reported within stale_after_s and are not draining, sorted by id."""
+        return tuple(
+            sorted(
+                wid
+                for wid, s in self._workers.items()
+                if not s.draining and now_s - s.last_report_s <= self.stale_after_s
+            )
+        )
+
+    def loads(self, workers: Iterable[str]) -> tuple[np.ndarray, np.ndarray]:
+        """(in-flight requests, KV tokens) per worker, in the order given."""
+        states = [self._workers[w] for w in workers]
+        in_flight = np.array([s.in_flight for s in states], dtype=np.int64)
+        kv = np.array([s.kv_load for s in states], dtype=np.int64)
+        return in_flight, kv
