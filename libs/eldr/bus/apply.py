@@ -1,0 +1,232 @@
+"""Make the server's streams, consumers and buckets match a `Topology`, idempotently.
+
+Each service applies the topology at start, so several processes may apply it at once:
+creating an object that already exists with the same configuration is accepted by the
+server, and a second apply of an unchanged topology changes nothing. Changed limits
+update the stream or consumer in place; changes the server cannot apply in place
+(storage type, deliver policy) raise `TopologyError` with what to do.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from nats.js import api
+
+from eldr.bus.client import Bus, _translated
+from eldr.bus.errors import NotFoundError, TopologyError
+from eldr.bus.topology import ConsumerSpec, ObjectStoreSpec, StreamSpec, Topology
+
+log = logging.getLogger(__name__)
+
+Action = Literal["created", "updated", "unchanged"]
+
+
+@dataclass(frozen=True)
+class TopologyChange:
+    kind: Literal["stream", "consumer", "object_store"]
+    name: str
+    action: Action
+    detail: str = ""
+    """For updates: the fields that changed."""
+
+
+_STORAGE = {"file": api.StorageType.FILE, "memory": api.StorageType.MEMORY}
+_DISCARD = {"old": api.DiscardPolicy.OLD, "new": api.DiscardPolicy.NEW}
+_DELIVER = {"all": api.DeliverPolicy.ALL, "new": api.DeliverPolicy.NEW}
+
+
+def _seconds_equal(a: float | None, b: float | None) -> bool:
+    return math.isclose(a or 0.0, b or 0.0, abs_tol=1e-6)
+
+
+def _stream_config(spec: StreamSpec) -> api.StreamConfig:
+    duplicate_window_s = spec.duplicate_window_s
+    if spec.max_age_s > 0:
+        # The server refuses a duplicate window longer than max_age.
+        duplicate_window_s = min(duplicate_window_s, spec.max_age_s)
+    return api.StreamConfig(
+        name=spec.name,
+        description=spec.description,
+        subjects=list(spec.subjects),
+        retention=api.RetentionPolicy.LIMITS,
+        max_age=spec.max_age_s,
+        max_bytes=spec.max_bytes,
+        max_msgs=spec.max_msgs,
+        max_msgs_per_subject=spec.max_msgs_per_subject,
+        max_msg_size=spec.max_msg_size_bytes,
+        storage=_STORAGE[spec.storage],
+        num_replicas=spec.replicas,
+        discard=_DISCARD[spec.discard],
+        duplicate_window=duplicate_window_s,
+        allow_direct=spec.allow_direct,
+    )
+
+
+def _stream_diff(want: api.StreamConfig, have: api.StreamConfig) -> list[str]:
+    changed = []
+    if sorted(want.subjects or []) != sorted(have.subjects or []):
+        changed.append("subjects")
+    for name in ("description", "max_bytes", "max_msgs", "max_msgs_per_subject", "max_msg_size"):
+        if getattr(want, name) != getattr(have, name):
+            changed.append(name)
+    for name in ("max_age", "duplicate_window"):
+        if not _seconds_equal(getattr(want, name), getattr(have, name)):
+            changed.append(name)
+    if want.num_replicas != have.num_replicas:
+        changed.append("num_replicas")
+    if want.discard != have.discard:
+        changed.append("discard")
+    if bool(want.allow_direct) != bool(have.allow_direct):
+        changed.append("allow_direct")
+    if want.storage != have.storage:
+        changed.append("storage")
+    return changed
+
+
+async def _apply_stream(bus: Bus, spec: StreamSpec) -> TopologyChange:
+    js = bus._js
+    want = _stream_config(spec)
+    try:
+        with _translated(f"stream info {spec.name}"):
+            info = await js.stream_info(spec.name)
+    except NotFoundError:
+        with _translated(f"create stream {spec.name}"):
+            await js.add_stream(want)
+        log.info("created stream %s (%s)", spec.name, ", ".join(spec.subjects))
+        return TopologyChange("stream", spec.name, "created")
+    changed = _stream_diff(want, info.config)
+    if not changed:
+        return TopologyChange("stream", spec.name, "unchanged")
+    if "storage" in changed:
+        raise TopologyError(
+            f"stream {spec.name} has storage {info.config.storage}, the topology wants "
+            f"{spec.storage}: the server cannot change it in place; back up and delete the "
+            "stream to change it"
+        )
+    with _translated(f"update stream {spec.name}"):
+        await js.update_stream(want)
+    log.info("updated stream %s: %s", spec.name, ", ".join(changed))
+    return TopologyChange("stream", spec.name, "updated", ", ".join(changed))
+
+
+def _consumer_config(spec: ConsumerSpec) -> api.ConsumerConfig:
+    return api.ConsumerConfig(
+        name=spec.durable,
+        durable_name=spec.durable,
+        description=spec.description,
+        deliver_policy=_DELIVER[spec.deliver_policy],
+        ack_policy=api.AckPolicy.EXPLICIT,
+        ack_wait=spec.ack_wait_s,
+        max_deliver=spec.max_deliver,
+        max_ack_pending=spec.max_ack_pending,
+        filter_subject=spec.filter_subject,
+    )
+
+
+def _consumer_diff(want: api.ConsumerConfig, have: api.ConsumerConfig) -> list[str]:
+    changed = [
+        name
+        for name in (
+            "description",
+            "deliver_policy",
+            "ack_policy",
+            "max_deliver",
+            "max_ack_pending",
+            "filter_subject",
+        )
+        if getattr(want, name) != getattr(have, name)
+    ]
+    if not _seconds_equal(want.ack_wait, have.ack_wait):
+        changed.append("ack_wait")
+    return changed
+
+
+async def _apply_consumer(bus: Bus, spec: ConsumerSpec) -> TopologyChange:
+    js = bus._js
+    want = _consumer_config(spec)
+    name = f"{spec.stream}/{spec.durable}"
+    try:
+        with _translated(f"consumer info {name}"):
+            info = await js.consumer_info(spec.stream, spec.durable)
+    except NotFoundError:
+        with _translated(f"create consumer {name}"):
+            await js.add_consumer(spec.stream, want)
+        log.info("created consumer %s", name)
+        return TopologyChange("consumer", name, "created")
+    changed = _consumer_diff(want, info.config)
+    if not changed:
+        return TopologyChange("consumer", name, "unchanged")
+    if "deliver_policy" in changed or "ack_policy" in changed:
+        raise TopologyError(
+            f"consumer {name}: deliver/ack policy cannot change in place; delete the "
+            "consumer to recreate it (its position is lost)"
+        )
+    # Creating with the same name updates an existing consumer.
+    with _translated(f"update consumer {name}"):
+        await js.add_consumer(spec.stream, want)
+    log.info("updated consumer %s: %s", name, ", ".join(changed))
+    return TopologyChange("consumer", name, "updated", ", ".join(changed))
+
+
+async def _apply_object_store(bus: Bus, spec: ObjectStoreSpec) -> TopologyChange:
+    js = bus._js
+    try:
+        with _translated(f"stream info {spec.stream_name}"):
+            info = await js.stream_info(spec.stream_name)
+    except NotFoundError:
+        with _translated(f"create object store {spec.bucket}"):
+            await js.create_object_store(
+                spec.bucket,
+                config=api.ObjectStoreConfig(
+                    description=spec.description,
+                    max_bytes=spec.max_bytes,
+                    storage=_STORAGE[spec.storage],
+                    replicas=spec.replicas,
+                ),
+            )
+        log.info("created object store %s", spec.bucket)
+        return TopologyChange("object_store", spec.bucket, "created")
+    have = info.config
+    wanted: dict[str, Any] = {
+        "description": spec.description,
+        "max_bytes": spec.max_bytes,
+        "num_replicas": spec.replicas,
+    }
+    changed = [k for k, v in wanted.items() if getattr(have, k) != v]
+    if have.storage != _STORAGE[spec.storage]:
+        raise TopologyError(
+            f"object store {spec.bucket} has storage {have.storage}; the server cannot change "
+            "it in place"
+        )
+    if not changed:
+        return TopologyChange("object_store", spec.bucket, "unchanged")
+    with _translated(f"update object store {spec.bucket}"):
+        await js.update_stream(have.evolve(**wanted))
+    log.info("updated object store %s: %s", spec.bucket, ", ".join(changed))
+    return TopologyChange("object_store", spec.bucket, "updated", ", ".join(changed))
+
+
+async def apply_topology(bus: Bus, topology: Topology) -> list[TopologyChange]:
+    """Create or update every stream, consumer and bucket of `topology` (in that order:
+    consumers need their streams). Returns what was done to each."""
+    changes = [await _apply_stream(bus, spec) for spec in topology.streams]
+    changes += [await _apply_consumer(bus, spec) for spec in topology.consumers]
+    changes += [await _apply_object_store(bus, spec) for spec in topology.object_stores]
+    return changes
+
+
+async def delete_topology(bus: Bus, topology: Topology) -> None:
+    """Delete every stream (consumers go with them) and bucket of `topology`; missing ones
+    are skipped. For tests and `eldr dev` resets; destroys data."""
+    names = [spec.name for spec in topology.streams]
+    names += [spec.stream_name for spec in topology.object_stores]
+    for name in names:
+        try:
+            with _translated(f"delete stream {name}"):
+                await bus._js.delete_stream(name)
+        except NotFoundError:
+            continue

@@ -1,0 +1,1167 @@
+"""`Bus`: the one NATS client of the project.
+
+Every inbound message is size-checked and decoded with `eldr.wire.decode` before a
+handler sees it; handlers receive typed messages and a `Delivery` (no nats types).
+Delivery contracts:
+
+- `consume` (JetStream durable pull consumer): at-least-once. A handler that returns
+  acks; `Retry` naks with a delay; any other exception naks with backoff until the
+  consumer's max_deliver, after which the message is dead-lettered and terminated.
+  Undecodable messages are dead-lettered and terminated at once.
+- `replay` (ordered ephemeral consumer): every message of the filter from a start point,
+  in stream order, then live ones; a failing handler is logged and skipped.
+- `serve` (core request/reply): handlers run concurrently (bounded); invalid requests
+  are dead-lettered and answered with an error header; handler failures are answered
+  with an error header. `request` turns such answers into `RemoteError`.
+- `subscribe` (core): at-most-once, one message at a time in arrival order.
+
+`drain()` shuts down gracefully: consumers stop fetching, in-flight handlers finish and
+ack, then the connection drains (pending publishes and acks flushed) and closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import hashlib
+import io
+import logging
+import ssl
+import time
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription as NatsSubscription
+from nats.js import JetStreamContext, api
+from prometheus_client import CollectorRegistry
+
+from eldr.bus.errors import (
+    AlreadyExists,
+    BusError,
+    BusTimeoutError,
+    NoRespondersError,
+    NotFoundError,
+    RemoteError,
+    Retry,
+)
+from eldr.bus.metrics import BusMetrics
+from eldr.bus.topology import Subjects
+from eldr.settings import BusSettings
+from eldr.wire import DeadLetter, Message, WireError, decode, encode
+from eldr.wire.base import MAX_DEAD_LETTER_PAYLOAD_BYTES, MAX_HEADERS, MAX_TEXT_LEN
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=Message)
+R = TypeVar("R", bound=Message)
+
+ERROR_HEADER = "Eldr-Error"
+"""Header of an error answer from `serve`: a one-line description."""
+ERROR_CODE_HEADER = "Eldr-Error-Code"
+"""400: the request was invalid; 500: the handler failed."""
+WRONG_LAST_SEQUENCE = 10071
+"""JetStream err_code of a failed `Nats-Expected-Last-Subject-Sequence` check."""
+CORE_DLQ_TOKEN = "core"
+"""DLQ subject token for messages that did not come from a stream."""
+_MAX_ERROR_HEADER_LEN = 1000
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """Where and how a message arrived."""
+
+    subject: str
+    stream: str | None = None
+    """Stream of a JetStream message; None for core messages."""
+    stream_seq: int | None = None
+    num_delivered: int = 1
+    """1 on first delivery; more on redeliveries."""
+    timestamp_s: float | None = None
+    """When JetStream stored the message (Unix seconds); None for core messages."""
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PublishAck:
+    stream: str
+    seq: int
+    duplicate: bool
+    """The stream already had a message with this msg_id (within the duplicate window)."""
+
+
+@dataclass(frozen=True)
+class ObjectRef:
+    bucket: str
+    name: str
+    size_bytes: int
+    sha256: str
+    """Hex SHA-256 of the stored bytes (what `PartitionAnnouncement.sha256` carries)."""
+
+
+@dataclass(frozen=True)
+class ConsumerState:
+    num_pending: int
+    """Messages matching the consumer not yet delivered."""
+    num_ack_pending: int
+    """Delivered but neither acked nor terminated."""
+    num_redelivered: int
+    delivered_stream_seq: int
+    ack_floor_stream_seq: int
+
+
+@dataclass(frozen=True)
+class StreamState:
+    messages: int
+    size_bytes: int
+    first_seq: int
+    last_seq: int
+
+
+Handler = Callable[[M, Delivery], Awaitable[None]]
+RequestHandler = Callable[[M], Awaitable[R]]
+
+
+@contextlib.contextmanager
+def _translated(what: str) -> Iterator[None]:
+    """Turn nats exceptions into `eldr.bus.errors` ones."""
+    try:
+        yield
+    except nats.js.errors.NotFoundError as exc:
+        raise NotFoundError(f"{what}: {exc}") from exc
+    except nats.js.errors.APIError as exc:
+        if exc.err_code == WRONG_LAST_SEQUENCE:
+            raise AlreadyExists(f"{what}: {exc.description}") from exc
+        raise BusError(f"{what}: {exc}") from exc
+    except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError) as exc:
+        raise NoRespondersError(f"{what}: no responders") from exc
+    except TimeoutError as exc:  # nats.errors.TimeoutError is an asyncio.TimeoutError
+        raise BusTimeoutError(f"{what}: timed out") from exc
+    except nats.errors.Error as exc:
+        raise BusError(f"{what}: {exc}") from exc
+
+
+def _one_line(text: str, limit: int = _MAX_ERROR_HEADER_LEN) -> str:
+    return " ".join(text.split())[:limit]
+
+
+def _tls_context(settings: BusSettings) -> ssl.SSLContext | None:
+    if settings.tls_ca_file is None and settings.tls_cert_file is None:
+        return None
+    context = ssl.create_default_context(
+        cafile=str(settings.tls_ca_file) if settings.tls_ca_file else None
+    )
+    if settings.tls_cert_file is not None and settings.tls_key_file is not None:
+        context.load_cert_chain(str(settings.tls_cert_file), str(settings.tls_key_file))
+    return context
+
+
+def _connect_options(settings: BusSettings, name: str) -> dict[str, Any]:
+    options: dict[str, Any] = {
+        "servers": [url.strip() for url in settings.nats_url.split(",") if url.strip()],
+        "name": name,
+        "allow_reconnect": True,
+        "connect_timeout": settings.connect_timeout_s,
+        "reconnect_time_wait": settings.reconnect_wait_s,
+        "max_reconnect_attempts": settings.max_reconnect_attempts,
+        "ping_interval": settings.ping_interval_s,
+        "max_outstanding_pings": settings.max_outstanding_pings,
+        "drain_timeout": settings.drain_timeout_s,
+    }
+    if settings.user is not None:
+        options["user"] = settings.user
+        if settings.password is not None:
+            options["password"] = settings.password.get_secret_value()
+    if settings.token is not None:
+        options["token"] = settings.token.get_secret_value()
+    if settings.nkeys_seed_file is not None:
+        options["nkeys_seed"] = str(settings.nkeys_seed_file)
+    if settings.creds_file is not None:
+        options["user_credentials"] = str(settings.creds_file)
+    tls = _tls_context(settings)
+    if tls is not None:
+        options["tls"] = tls
+        if settings.tls_hostname is not None:
+            options["tls_hostname"] = settings.tls_hostname
+    return options
+
+
+class Bus:
+    """A connected NATS client with typed publish, request, serve and consume.
+
+    Create with `await Bus.connect(settings, name)`; end with `await bus.drain()` (or use
+    `async with`). Not thread-safe: use it from the event loop that connected it.
+    """
+
+    def __init__(
+        self,
+        nc: NatsClient,
+        settings: BusSettings,
+        metrics: BusMetrics,
+    ) -> None:
+        self._nc = nc
+        self._js: JetStreamContext = nc.jetstream(timeout=settings.request_timeout_s)
+        self._settings = settings
+        self.metrics = metrics
+        self.subjects = Subjects(settings.namespace)
+        self._handles: list[_Handle] = []
+        self._object_stores: dict[str, Any] = {}
+        self._drained = False
+
+    # --- lifecycle -------------------------------------------------------------------
+
+    @classmethod
+    async def connect(
+        cls,
+        settings: BusSettings,
+        name: str,
+        *,
+        registry: CollectorRegistry | None = None,
+    ) -> Bus:
+        """Connect to `settings.nats_url` as client `name`, reconnecting forever by default.
+
+        Metrics go to `registry` (a fresh private one if None; never the global one).
+        """
+        nc = NatsClient()
+
+        async def on_error(exc: Exception) -> None:
+            log.warning("nats client %s: %s", name, exc)
+
+        async def on_disconnected() -> None:
+            if nc.is_closed or nc.is_draining:
+                log.debug("nats client %s disconnected (closing)", name)
+            else:
+                log.warning("nats client %s disconnected", name)
+
+        async def on_reconnected() -> None:
+            log.info("nats client %s reconnected to %s", name, nc.connected_url)
+
+        async def on_closed() -> None:
+            log.info("nats client %s closed", name)
+
+        options = _connect_options(settings, name)
+        try:
+            with _translated(f"connect to {settings.nats_url}"):
+                # nats-py retries the first connect like a reconnect (forever by default).
+                await asyncio.wait_for(
+                    nc.connect(
+                        **options,
+                        error_cb=on_error,
+                        disconnected_cb=on_disconnected,
+                        reconnected_cb=on_reconnected,
+                        closed_cb=on_closed,
+                    ),
+                    timeout=settings.startup_wait_s,
+                )
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await nc.close()
+            raise
+        log.info("nats client %s connected to %s", name, nc.connected_url)
+        return cls(nc, settings, BusMetrics(registry or CollectorRegistry(auto_describe=True)))
+
+    async def __aenter__(self) -> Bus:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.drain()
+
+    @property
+    def settings(self) -> BusSettings:
+        return self._settings
+
+    @property
+    def is_connected(self) -> bool:
+        return bool(self._nc.is_connected)
+
+    async def drain(self) -> None:
+        """Graceful shutdown: stop consumers and let in-flight handlers finish (and ack),
+        stop subscriptions, then drain and close the connection. Idempotent."""
+        if self._drained:
+            return
+        self._drained = True
+        handles = sorted(self._handles, key=lambda h: h.stop_order)
+        try:
+            await asyncio.wait_for(
+                self._stop_handles(handles), timeout=self._settings.drain_timeout_s
+            )
+        except TimeoutError:
+            log.error(
+                "bus drain: handlers still running after %.1f s; cancelled, their messages "
+                "will be redelivered",
+                self._settings.drain_timeout_s,
+            )
+            for handle in handles:
+                handle.cancel()
+        if self._nc.is_closed:
+            return
+        if self._nc.is_connected:
+            # Make sure the acks of the handlers just finished reached the server.
+            with contextlib.suppress(BusError):
+                await self._sync()
+        try:
+            await self._nc.drain()
+        except (nats.errors.ConnectionReconnectingError, nats.errors.ConnectionClosedError):
+            await self._nc.close()
+
+    async def _stop_handles(self, handles: list[_Handle]) -> None:
+        # Consumers first (their handlers may still publish), then replays, then core
+        # subscriptions; handles of one kind stop together.
+        for order in sorted({h.stop_order for h in handles}):
+            await asyncio.gather(*(h.stop() for h in handles if h.stop_order == order))
+
+    async def close(self) -> None:
+        """Close at once: in-flight work is abandoned and unacked messages redelivered."""
+        self._drained = True
+        for handle in self._handles:
+            handle.cancel()
+        if not self._nc.is_closed:
+            await self._nc.close()
+
+    async def flush(self) -> None:
+        """Wait until the server has processed everything this client sent so far."""
+        await self._sync()
+
+    async def _sync(self) -> None:
+        """A round trip through the client's outgoing buffer.
+
+        nats-py's `flush()` writes its PING straight to the socket, ahead of commands
+        still buffered (SUB, PUB), so its PONG does not prove the server saw them. A
+        message to our own inbox goes through the same buffer, so its echo does.
+        """
+        inbox = self._nc.new_inbox()
+        with _translated("sync with the server"):
+            sub = await self._nc.subscribe(inbox)
+            try:
+                await self._nc.publish(inbox, b"")
+                await sub.next_msg(timeout=self._settings.request_timeout_s)
+            finally:
+                with contextlib.suppress(nats.errors.Error):
+                    await sub.unsubscribe()
+
+    # --- publishing ------------------------------------------------------------------
+
+    async def publish(self, subject: str, message: Message) -> None:
+        """Core publish (fire and forget; recorded by a stream if one covers `subject`)."""
+        data = encode(message)
+        with _translated(f"publish to {subject}"):
+            await self._nc.publish(subject, data)
+        self.metrics.published.labels(self.subjects.family(subject), "core").inc()
+
+    async def js_publish(
+        self,
+        subject: str,
+        message: Message,
+        *,
+        msg_id: str | None = None,
+        expected_last_subject_seq: int | None = None,
+        timeout_s: float | None = None,
+    ) -> PublishAck:
+        """Publish to a stream and wait for its ack.
+
+        `msg_id` de-duplicates within the stream's duplicate window;
+        `expected_last_subject_seq=0` publishes only if `subject` has no message yet,
+        else raises `AlreadyExists`.
+        """
+        return await self.publish_raw(
+            subject,
+            encode(message),
+            jetstream=True,
+            msg_id=msg_id,
+            expected_last_subject_seq=expected_last_subject_seq,
+            timeout_s=timeout_s,
+        )
+
+    async def publish_raw(
+        self,
+        subject: str,
+        data: bytes,
+        *,
+        jetstream: bool = True,
+        msg_id: str | None = None,
+        expected_last_subject_seq: int | None = None,
+        timeout_s: float | None = None,
+    ) -> PublishAck:
+        """Publish bytes as they are (replay tooling, tests). Core publishes return a
+        PublishAck with stream "" and seq 0."""
+        family = self.subjects.family(subject)
+        if not jetstream:
+            with _translated(f"publish to {subject}"):
+                await self._nc.publish(subject, data)
+            self.metrics.published.labels(family, "core").inc()
+            return PublishAck(stream="", seq=0, duplicate=False)
+        headers: dict[str, str] = {}
+        if msg_id is not None:
+            headers[api.Header.MSG_ID] = msg_id
+        if expected_last_subject_seq is not None:
+            headers[api.Header.EXPECTED_LAST_SUBJECT_SEQUENCE] = str(expected_last_subject_seq)
+        with _translated(f"publish to stream subject {subject}"):
+            ack = await self._js.publish(
+                subject,
+                data,
+                timeout=timeout_s or self._settings.request_timeout_s,
+                headers=headers or None,
+            )
+        self.metrics.published.labels(family, "jetstream").inc()
+        return PublishAck(stream=ack.stream, seq=ack.seq, duplicate=bool(ack.duplicate))
+
+    # --- reads -----------------------------------------------------------------------
+
+    async def get_last(self, stream: str, subject: str, message_type: type[M]) -> M | None:
+        """The last message on `subject` in `stream`, decoded; None if there is none.
+
+        Raises WireError if the stored message is not a valid `message_type`.
+        """
+        try:
+            with _translated(f"get last message of {subject} in {stream}"):
+                raw = await self._js.get_last_msg(stream, subject, direct=True)
+        except NotFoundError:
+            return None
+        return decode(raw.data or b"", message_type, self._settings.max_payload_bytes)
+
+    async def stream_state(self, stream: str) -> StreamState:
+        with _translated(f"stream info {stream}"):
+            info = await self._js.stream_info(stream)
+        state = info.state
+        return StreamState(
+            messages=state.messages,
+            size_bytes=state.bytes,
+            first_seq=state.first_seq,
+            last_seq=state.last_seq,
+        )
+
+    async def consumer_state(self, stream: str, durable: str) -> ConsumerState:
+        with _translated(f"consumer info {stream}/{durable}"):
+            info = await self._js.consumer_info(stream, durable)
+        return ConsumerState(
+            num_pending=info.num_pending or 0,
+            num_ack_pending=info.num_ack_pending or 0,
+            num_redelivered=info.num_redelivered or 0,
+            delivered_stream_seq=info.delivered.stream_seq if info.delivered else 0,
+            ack_floor_stream_seq=info.ack_floor.stream_seq if info.ack_floor else 0,
+        )
+
+    # --- request / reply -------------------------------------------------------------
+
+    async def request(
+        self,
+        subject: str,
+        message: Message,
+        reply_type: type[R],
+        *,
+        timeout_s: float | None = None,
+    ) -> R:
+        """Send a request and wait for one reply.
+
+        Raises BusTimeoutError, NoRespondersError, RemoteError (the server answered with an
+        error) or WireError (the reply is not a valid `reply_type`).
+        """
+        timeout = timeout_s or self._settings.request_timeout_s
+        with _translated(f"request on {subject}"):
+            response = await self._nc.request(subject, encode(message), timeout=timeout)
+        self.metrics.published.labels(self.subjects.family(subject), "core").inc()
+        _raise_remote_error(response)
+        return decode(response.data, reply_type, self._settings.max_payload_bytes)
+
+    async def request_many(
+        self,
+        subject: str,
+        message: Message,
+        reply_type: type[R],
+        *,
+        timeout_s: float | None = None,
+        max_replies: int | None = None,
+    ) -> list[R | RemoteError]:
+        """Send a request that several servers answer (e.g. every router replica) and
+        collect the replies that arrive within `timeout_s` (or until `max_replies`)."""
+        timeout = timeout_s or self._settings.request_timeout_s
+        inbox = self._nc.new_inbox()
+        replies: list[R | RemoteError] = []
+        with _translated(f"request on {subject}"):
+            sub = await self._nc.subscribe(inbox)
+            try:
+                await self._nc.publish(subject, encode(message), reply=inbox)
+                deadline = time.monotonic() + timeout
+                while max_replies is None or len(replies) < max_replies:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    try:
+                        response = await sub.next_msg(timeout=remaining)
+                    except TimeoutError:
+                        break
+                    if _is_no_responders(response):
+                        break
+                    try:
+                        _raise_remote_error(response)
+                        replies.append(
+                            decode(response.data, reply_type, self._settings.max_payload_bytes)
+                        )
+                    except RemoteError as exc:
+                        replies.append(exc)
+                    except WireError as exc:
+                        log.warning("request_many on %s: invalid reply skipped: %s", subject, exc)
+            finally:
+                with contextlib.suppress(nats.errors.Error):
+                    await sub.unsubscribe()
+        return replies
+
+    async def serve(
+        self,
+        subject: str,
+        queue: str | None,
+        request_type: type[M],
+        handler: RequestHandler[M, R],
+        *,
+        max_concurrency: int = 64,
+    ) -> Service:
+        """Answer requests on `subject` with `handler`'s reply.
+
+        `queue`: a queue group (one member answers each request) or None (every
+        subscriber answers). Up to `max_concurrency` handlers run at once.
+        """
+        service: Service = Service(self, subject, request_type, handler, max_concurrency)
+        with _translated(f"subscribe to {subject}"):
+            service.sub = await self._nc.subscribe(subject, queue=queue or "", cb=service.on_msg)
+        await self._sync()  # requests sent after serve() returns reach this server
+        self._handles.append(service)
+        log.info("serving %s (queue %s)", subject, queue)
+        return service
+
+    async def subscribe(
+        self,
+        subject: str,
+        message_type: type[M],
+        handler: Handler[M],
+        *,
+        queue: str | None = None,
+    ) -> Subscription:
+        """Core subscription: `handler(message, delivery)` for each valid message, one at a
+        time, in arrival order. Invalid messages are counted and dead-lettered."""
+        subscription: Subscription = Subscription(self, subject, message_type, handler)
+        with _translated(f"subscribe to {subject}"):
+            subscription.sub = await self._nc.subscribe(
+                subject, queue=queue or "", cb=subscription.on_msg
+            )
+        await self._sync()  # messages published after this returns reach the handler
+        self._handles.append(subscription)
+        return subscription
+
+    # --- JetStream consumers ---------------------------------------------------------
+
+    async def consume(
+        self,
+        stream: str,
+        durable: str,
+        message_type: type[M],
+        handler: Handler[M],
+        *,
+        batch: int = 16,
+        max_concurrency: int = 16,
+        error_backoff_s: float = 1.0,
+    ) -> Consumer:
+        """Run a pull loop on the existing durable consumer `durable` of `stream`.
+
+        Fetches up to `batch` messages at a time and runs at most `max_concurrency`
+        handlers at once. Failed handlers are redelivered after
+        `error_backoff_s * 2**(deliveries - 1)` (capped at 60 s).
+        """
+        if batch < 1 or max_concurrency < 1:
+            raise ValueError("batch and max_concurrency must be >= 1")
+        with _translated(f"bind consumer {stream}/{durable}"):
+            info = await self._js.consumer_info(stream, durable)
+            psub = await self._js.pull_subscribe_bind(durable=durable, stream=stream)
+        consumer: Consumer = Consumer(
+            self,
+            stream,
+            durable,
+            message_type,
+            handler,
+            psub,
+            max_deliver=info.config.max_deliver or -1,
+            batch=batch,
+            max_concurrency=max_concurrency,
+            error_backoff_s=error_backoff_s,
+        )
+        consumer.start()
+        self._handles.append(consumer)
+        log.info("consuming %s/%s (max_deliver %s)", stream, durable, consumer.max_deliver)
+        return consumer
+
+    async def replay(
+        self,
+        stream: str,
+        subject_filter: str,
+        message_type: type[M],
+        handler: Handler[M],
+        *,
+        start_seq: int | None = None,
+        start_time_s: float | None = None,
+        stop_at_end: bool = False,
+    ) -> Replay:
+        """Deliver the messages of `stream` matching `subject_filter` in order, from
+        `start_seq` or `start_time_s` (default: the first), then live ones.
+
+        The returned `Replay` sets `caught_up` once the messages present at the start have
+        been handled; with `stop_at_end` it then stops (and sets `finished`).
+        """
+        if start_seq is not None and start_time_s is not None:
+            raise ValueError("give start_seq or start_time_s, not both")
+        config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.ALL)
+        if start_seq is not None:
+            config.deliver_policy = api.DeliverPolicy.BY_START_SEQUENCE
+            config.opt_start_seq = start_seq
+        elif start_time_s is not None:
+            config.deliver_policy = api.DeliverPolicy.BY_START_TIME
+            config.opt_start_time = dt.datetime.fromtimestamp(start_time_s, tz=dt.UTC)
+        replay: Replay = Replay(self, stream, subject_filter, message_type, handler, stop_at_end)
+        with _translated(f"replay {stream} {subject_filter}"):
+            replay.sub = await self._js.subscribe(
+                subject_filter,
+                stream=stream,
+                cb=replay.on_msg,
+                ordered_consumer=True,
+                config=config,
+            )
+            info = await replay.sub.consumer_info()
+        replay.check_initially_caught_up(
+            num_pending=info.num_pending or 0,
+            delivered=info.delivered.consumer_seq if info.delivered else 0,
+        )
+        self._handles.append(replay)
+        return replay
+
+    # --- object store ----------------------------------------------------------------
+
+    async def _bucket(self, bucket: str) -> Any:
+        store = self._object_stores.get(bucket)
+        if store is None:
+            with _translated(f"object store {bucket}"):
+                store = await self._js.object_store(bucket)
+            self._object_stores[bucket] = store
+        return store
+
+    async def object_put(self, bucket: str, name: str, message: Message) -> ObjectRef:
+        """Store `message` as object `name` (replacing any previous one)."""
+        data = encode(message)
+        store = await self._bucket(bucket)
+        with _translated(f"put object {bucket}/{name}"):
+            await store.put(name, data)
+        return ObjectRef(
+            bucket=bucket,
+            name=name,
+            size_bytes=len(data),
+            sha256=hashlib.sha256(data).hexdigest(),
+        )
+
+    async def object_get(
+        self,
+        bucket: str,
+        name: str,
+        message_type: type[M],
+        *,
+        expected_sha256: str | None = None,
+    ) -> M:
+        """Read and decode object `name`. Refuses objects over `max_object_bytes` before
+        downloading them; raises NotFoundError, or WireError if the bytes do not match
+        `expected_sha256` or are not a valid `message_type`."""
+        store = await self._bucket(bucket)
+        limit = self._settings.max_object_bytes
+        with _translated(f"get object {bucket}/{name}"):
+            info = await store.get_info(name)
+            if (info.size or 0) > limit:
+                raise WireError(f"object {bucket}/{name} has {info.size} bytes, limit {limit}")
+            buffer = io.BytesIO()
+            await store.get(name, writeinto=buffer)
+        data = buffer.getvalue()
+        if expected_sha256 is not None and hashlib.sha256(data).hexdigest() != expected_sha256:
+            raise WireError(f"object {bucket}/{name} does not match sha256 {expected_sha256}")
+        return decode(data, message_type, limit)
+
+    # --- internals shared by the handles ---------------------------------------------
+
+    def _decode_inbound(self, data: bytes, message_type: type[M], family: str) -> M:
+        """Decode or raise WireError, counting the rejection."""
+        if len(data) > self._settings.max_payload_bytes:
+            self.metrics.rejected.labels(family, "too_large").inc()
+        try:
+            return decode(data, message_type, self._settings.max_payload_bytes)
+        except WireError:
+            if len(data) <= self._settings.max_payload_bytes:
+                self.metrics.rejected.labels(family, "invalid").inc()
+            raise
+
+    async def _dead_letter(
+        self,
+        msg: Msg,
+        *,
+        error: str,
+        stream: str | None = None,
+        stream_seq: int | None = None,
+        num_delivered: int = 0,
+    ) -> bool:
+        """Publish a DeadLetter for `msg`; False if that failed."""
+        family = self.subjects.family(msg.subject)
+        headers = {
+            str(k)[:256]: _one_line(str(v), MAX_TEXT_LEN)
+            for k, v in list((msg.headers or {}).items())[:MAX_HEADERS]
+        }
+        letter = DeadLetter(
+            subject=msg.subject[:512],
+            stream=stream,
+            error=_one_line(error, MAX_TEXT_LEN),
+            received_ts_s=time.time(),
+            payload=msg.data[:MAX_DEAD_LETTER_PAYLOAD_BYTES],
+            headers=headers,
+            payload_size_bytes=len(msg.data),
+            stream_seq=stream_seq,
+            num_delivered=num_delivered,
+        )
+        # Several replicas may dead-letter the same stored message: de-duplicate.
+        msg_id = f"{stream}-{stream_seq}" if stream and stream_seq else None
+        try:
+            await self.js_publish(
+                self.subjects.dlq(stream or CORE_DLQ_TOKEN), letter, msg_id=msg_id
+            )
+        except (BusError, WireError) as exc:
+            log.error("could not dead-letter a message from %s: %s", msg.subject, exc)
+            self.metrics.rejected.labels(family, "dead_letter_failed").inc()
+            return False
+        self.metrics.dead_letters.labels(family).inc()
+        return True
+
+    async def _respond(self, reply: str, data: bytes, headers: dict[str, str] | None) -> None:
+        try:
+            await self._nc.publish(reply, data, headers=headers)
+        except nats.errors.Error as exc:
+            log.warning("could not answer on %s: %s", reply, exc)
+
+
+def _is_no_responders(msg: Msg) -> bool:
+    return not msg.data and bool(msg.headers) and msg.headers.get("Status") == "503"  # type: ignore[union-attr]
+
+
+def _raise_remote_error(msg: Msg) -> None:
+    if msg.headers and ERROR_HEADER in msg.headers:
+        code_text = msg.headers.get(ERROR_CODE_HEADER, "500")
+        code = int(code_text) if code_text.isdigit() else 500
+        raise RemoteError(code, msg.headers[ERROR_HEADER])
+
+
+class _Handle:
+    """Something `Bus.drain` must stop; lower `stop_order` stops first."""
+
+    stop_order = 0
+
+    async def stop(self) -> None:
+        raise NotImplementedError
+
+    def cancel(self) -> None:
+        """Abandon in-flight work (hard close)."""
+
+
+class Service(_Handle, Generic[M, R]):
+    """A request/reply server started by `Bus.serve`."""
+
+    stop_order = 2
+
+    def __init__(
+        self,
+        bus: Bus,
+        subject: str,
+        request_type: type[M],
+        handler: RequestHandler[M, R],
+        max_concurrency: int,
+    ) -> None:
+        self._bus = bus
+        self.subject = subject
+        self._request_type = request_type
+        self._handler = handler
+        self._family = bus.subjects.family(subject)
+        self._slots = asyncio.Semaphore(max_concurrency)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.sub: NatsSubscription | None = None
+
+    async def on_msg(self, msg: Msg) -> None:
+        # Runs in the subscription's single task: waiting for a slot here applies
+        # backpressure instead of piling up unbounded handler tasks.
+        await self._slots.acquire()
+        task = asyncio.create_task(self._handle(msg))
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self._slots.release()
+
+    async def _handle(self, msg: Msg) -> None:
+        bus = self._bus
+        bus.metrics.received.labels(self._family).inc()
+        try:
+            request = bus._decode_inbound(msg.data, self._request_type, self._family)
+        except WireError as exc:
+            log.warning("invalid request on %s: %s", msg.subject, exc)
+            if msg.reply:
+                await bus._respond(
+                    msg.reply, b"", {ERROR_HEADER: _one_line(str(exc)), ERROR_CODE_HEADER: "400"}
+                )
+            await bus._dead_letter(msg, error=str(exc))
+            return
+        started = time.perf_counter()
+        try:
+            reply = await self._handler(request)
+            data = encode(reply)
+        except Exception as exc:
+            log.exception("request handler for %s failed", msg.subject)
+            bus.metrics.rejected.labels(self._family, "handler_error").inc()
+            if msg.reply:
+                text = _one_line(f"{type(exc).__name__}: {exc}")
+                await bus._respond(msg.reply, b"", {ERROR_HEADER: text, ERROR_CODE_HEADER: "500"})
+            return
+        finally:
+            bus.metrics.handler_seconds.labels(self._family).observe(time.perf_counter() - started)
+        if msg.reply:
+            await bus._respond(msg.reply, data, None)
+
+    async def stop(self) -> None:
+        """Stop taking requests; answer the ones already received."""
+        if self.sub is not None:
+            with contextlib.suppress(nats.errors.Error):
+                await self.sub.drain()  # type: ignore[no-untyped-call]
+            self.sub = None
+        if self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    def cancel(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+
+
+class Subscription(_Handle, Generic[M]):
+    """A core subscription started by `Bus.subscribe`."""
+
+    stop_order = 2
+
+    def __init__(self, bus: Bus, subject: str, message_type: type[M], handler: Handler[M]) -> None:
+        self._bus = bus
+        self.subject = subject
+        self._message_type = message_type
+        self._handler = handler
+        self._family = bus.subjects.family(subject)
+        self.sub: NatsSubscription | None = None
+
+    async def on_msg(self, msg: Msg) -> None:
+        bus = self._bus
+        family = bus.subjects.family(msg.subject)
+        bus.metrics.received.labels(family).inc()
+        try:
+            message = bus._decode_inbound(msg.data, self._message_type, family)
+        except WireError as exc:
+            log.warning("invalid message on %s: %s", msg.subject, exc)
+            await bus._dead_letter(msg, error=str(exc))
+            return
+        started = time.perf_counter()
+        try:
+            await self._handler(message, Delivery(subject=msg.subject, headers=msg.headers or {}))
+        except Exception:
+            log.exception("handler for %s failed", msg.subject)
+            bus.metrics.rejected.labels(family, "handler_error").inc()
+        finally:
+            bus.metrics.handler_seconds.labels(family).observe(time.perf_counter() - started)
+
+    async def stop(self) -> None:
+        """Stop receiving; handle the messages already received."""
+        if self.sub is not None:
+            with contextlib.suppress(nats.errors.Error):
+                await self.sub.drain()  # type: ignore[no-untyped-call]
+            self.sub = None
+
+
+class Consumer(_Handle, Generic[M]):
+    """A durable pull-consumer loop started by `Bus.consume`."""
+
+    stop_order = 0
+
+    def __init__(
+        self,
+        bus: Bus,
+        stream: str,
+        durable: str,
+        message_type: type[M],
+        handler: Handler[M],
+        psub: JetStreamContext.PullSubscription,
+        *,
+        max_deliver: int,
+        batch: int,
+        max_concurrency: int,
+        error_backoff_s: float,
+    ) -> None:
+        self._bus = bus
+        self.stream = stream
+        self.durable = durable
+        self._message_type = message_type
+        self._handler = handler
+        self._psub = psub
+        self.max_deliver = max_deliver
+        self._batch = batch
+        self._max_concurrency = max_concurrency
+        self._error_backoff_s = error_backoff_s
+        self._stopping = asyncio.Event()
+        self._inflight: set[asyncio.Task[None]] = set()
+        self._loop_task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._loop_task = asyncio.create_task(
+            self._run(), name=f"consume {self.stream}/{self.durable}"
+        )
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._inflight)
+
+    async def _run(self) -> None:
+        fetch_timeout = self._bus.settings.fetch_timeout_s
+        while not self._stopping.is_set():
+            free = self._max_concurrency - len(self._inflight)
+            if free <= 0:
+                await asyncio.wait(self._inflight, return_when=asyncio.FIRST_COMPLETED)
+                continue
+            try:
+                msgs = await self._psub.fetch(min(self._batch, free), timeout=fetch_timeout)
+            except TimeoutError:
+                continue  # nothing to do (nats.errors.TimeoutError, FetchTimeoutError)
+            except nats.errors.ConnectionClosedError:
+                log.info("consumer %s/%s: connection closed", self.stream, self.durable)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                # Server restarting, consumer deleted, ...: keep trying, slowly.
+                log.warning("consumer %s/%s: fetch failed: %s", self.stream, self.durable, exc)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), timeout=fetch_timeout)
+                continue
+            for msg in msgs:
+                task = asyncio.create_task(self._process(msg))
+                self._inflight.add(task)
+                task.add_done_callback(self._inflight.discard)
+
+    def _backoff_s(self, num_delivered: int) -> float:
+        return float(min(self._error_backoff_s * 2 ** max(num_delivered - 1, 0), 60.0))
+
+    async def _process(self, msg: Msg) -> None:
+        bus = self._bus
+        family = bus.subjects.family(msg.subject)
+        bus.metrics.received.labels(family).inc()
+        meta = msg.metadata
+        delivery = Delivery(
+            subject=msg.subject,
+            stream=meta.stream,
+            stream_seq=meta.sequence.stream,
+            num_delivered=meta.num_delivered,
+            timestamp_s=meta.timestamp.timestamp(),
+            headers=msg.headers or {},
+        )
+        last_try = self.max_deliver > 0 and meta.num_delivered >= self.max_deliver
+        try:
+            message = bus._decode_inbound(msg.data, self._message_type, family)
+        except WireError as exc:
+            log.warning(
+                "invalid message %s seq %d on %s: %s",
+                self.stream,
+                meta.sequence.stream,
+                msg.subject,
+                exc,
+            )
+            await self._give_up(msg, delivery, str(exc))
+            return
+        started = time.perf_counter()
+        try:
+            await self._handler(message, delivery)
+        except Retry as retry:
+            if last_try:
+                bus.metrics.rejected.labels(family, "exhausted").inc()
+                await self._give_up(msg, delivery, f"retry limit reached: {retry.reason}")
+            else:
+                bus.metrics.retried.labels(family).inc()
+                await self._settle(msg, "nak", delay_s=retry.delay_s)
+        except Exception as exc:
+            log.exception(
+                "handler for %s seq %d (delivery %d) failed",
+                msg.subject,
+                meta.sequence.stream,
+                meta.num_delivered,
+            )
+            bus.metrics.rejected.labels(family, "handler_error").inc()
+            if last_try:
+                bus.metrics.rejected.labels(family, "exhausted").inc()
+                await self._give_up(msg, delivery, f"{type(exc).__name__}: {exc}")
+            else:
+                bus.metrics.retried.labels(family).inc()
+                await self._settle(msg, "nak", delay_s=self._backoff_s(meta.num_delivered))
+        else:
+            await self._settle(msg, "ack")
+        finally:
+            bus.metrics.handler_seconds.labels(family).observe(time.perf_counter() - started)
+
+    async def _give_up(self, msg: Msg, delivery: Delivery, error: str) -> None:
+        """Dead-letter and terminate; if dead-lettering fails keep the message (nak)."""
+        stored = await self._bus._dead_letter(
+            msg,
+            error=error,
+            stream=delivery.stream,
+            stream_seq=delivery.stream_seq,
+            num_delivered=delivery.num_delivered,
+        )
+        if stored:
+            await self._settle(msg, "term")
+        else:
+            await self._settle(msg, "nak", delay_s=self._backoff_s(delivery.num_delivered))
+
+    async def _settle(self, msg: Msg, how: str, delay_s: float | None = None) -> None:
+        try:
+            if how == "ack":
+                await msg.ack()
+            elif how == "nak":
+                await msg.nak(delay=delay_s)
+            else:
+                await msg.term()
+        except nats.errors.Error as exc:
+            # Connection trouble: the server redelivers after ack_wait (at-least-once).
+            log.warning("could not %s %s: %s", how, msg.subject, exc)
+
+    async def stop(self) -> None:
+        """Stop fetching, wait for the handlers in flight (they ack), unsubscribe."""
+        self._stopping.set()
+        if self._loop_task is not None:
+            # The loop exits when its current fetch returns (within fetch_timeout_s);
+            # abandoning the fetch instead could strand messages the server already sent.
+            await self._loop_task
+            self._loop_task = None
+        while self._inflight:
+            await asyncio.gather(*list(self._inflight), return_exceptions=True)
+        with contextlib.suppress(nats.errors.Error):
+            await self._psub.unsubscribe()
+
+    def cancel(self) -> None:
+        self._stopping.set()
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        for task in list(self._inflight):
+            task.cancel()
+
+
+class Replay(_Handle, Generic[M]):
+    """An ordered replay started by `Bus.replay`."""
+
+    stop_order = 1
+
+    def __init__(
+        self,
+        bus: Bus,
+        stream: str,
+        subject_filter: str,
+        message_type: type[M],
+        handler: Handler[M],
+        stop_at_end: bool,
+    ) -> None:
+        self._bus = bus
+        self.stream = stream
+        self.subject_filter = subject_filter
+        self._message_type = message_type
+        self._handler = handler
+        self._stop_at_end = stop_at_end
+        self.caught_up = asyncio.Event()
+        """Set once the messages present when the replay started have been handled."""
+        self.finished = asyncio.Event()
+        """Set when the replay stopped (stop_at_end, or `stop()`)."""
+        self.handled = 0
+        self.last_stream_seq = 0
+        self.sub: JetStreamContext.PushSubscription | None = None
+        self._stop_task: asyncio.Task[None] | None = None
+
+    def check_initially_caught_up(self, *, num_pending: int, delivered: int) -> None:
+        if num_pending == 0 and delivered <= self.handled:
+            self._mark_caught_up()
+
+    def _mark_caught_up(self) -> None:
+        if self.caught_up.is_set():
+            return
+        self.caught_up.set()
+        log.info(
+            "replay of %s %s caught up at seq %d (%d handled)",
+            self.stream,
+            self.subject_filter,
+            self.last_stream_seq,
+            self.handled,
+        )
+        if self._stop_at_end and self._stop_task is None:
+            self.finished.set()  # later messages are ignored from now on
+            self._stop_task = asyncio.create_task(self.stop())
+
+    async def wait_caught_up(self, timeout_s: float | None = None) -> None:
+        """Wait until `caught_up` (raises TimeoutError after `timeout_s`)."""
+        await asyncio.wait_for(self.caught_up.wait(), timeout=timeout_s)
+
+    async def on_msg(self, msg: Msg) -> None:
+        if self.finished.is_set():
+            return
+        bus = self._bus
+        family = bus.subjects.family(msg.subject)
+        bus.metrics.received.labels(family).inc()
+        meta = msg.metadata
+        self.last_stream_seq = meta.sequence.stream
+        try:
+            message = bus._decode_inbound(msg.data, self._message_type, family)
+        except WireError as exc:
+            log.warning(
+                "replay %s seq %d: invalid message: %s", self.stream, meta.sequence.stream, exc
+            )
+            await bus._dead_letter(
+                msg,
+                error=str(exc),
+                stream=meta.stream,
+                stream_seq=meta.sequence.stream,
+                num_delivered=meta.num_delivered,
+            )
+        else:
+            started = time.perf_counter()
+            try:
+                await self._handler(
+                    message,
+                    Delivery(
+                        subject=msg.subject,
+                        stream=meta.stream,
+                        stream_seq=meta.sequence.stream,
+                        num_delivered=meta.num_delivered,
+                        timestamp_s=meta.timestamp.timestamp(),
+                        headers=msg.headers or {},
+                    ),
+                )
+            except Exception:
+                log.exception(
+                    "replay handler for %s seq %d failed", msg.subject, meta.sequence.stream
+                )
+                bus.metrics.rejected.labels(family, "handler_error").inc()
+            finally:
+                bus.metrics.handler_seconds.labels(family).observe(time.perf_counter() - started)
+        self.handled += 1
+        if meta.num_pending == 0:
+            self._mark_caught_up()
+
+    async def stop(self) -> None:
+        """Stop delivering (the server deletes the ephemeral consumer)."""
+        self.finished.set()
+        sub, self.sub = self.sub, None
+        if sub is not None:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+
+    def cancel(self) -> None:
+        self.finished.set()

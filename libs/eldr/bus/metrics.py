@@ -1,0 +1,73 @@
+"""Prometheus metrics of the bus, registered on a registry the caller owns.
+
+Labels are bounded: `family` is a subject family (`prefill.done`, `blocks`, ...; see
+`Subjects.family`), never a full subject; `reason` and `outcome` come from fixed sets.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+REJECT_REASONS = ("too_large", "invalid", "handler_error", "exhausted", "dead_letter_failed")
+"""`too_large`: over max_payload_bytes; `invalid`: not a valid message of the expected
+type; `handler_error`: the handler raised; `exhausted`: failed on its last delivery;
+`dead_letter_failed`: could not be dead-lettered (kept for redelivery)."""
+
+
+class BusMetrics:
+    """Counters and timings of one `Bus`."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.received = Counter(
+            "eldr_bus_messages_received_total",
+            "Messages delivered to this process, by subject family.",
+            ["family"],
+            registry=registry,
+        )
+        self.rejected = Counter(
+            "eldr_bus_messages_rejected_total",
+            "Messages not processed successfully, by subject family and reason.",
+            ["family", "reason"],
+            registry=registry,
+        )
+        self.retried = Counter(
+            "eldr_bus_messages_retried_total",
+            "JetStream messages negatively acknowledged for redelivery, by subject family.",
+            ["family"],
+            registry=registry,
+        )
+        self.dead_letters = Counter(
+            "eldr_bus_dead_letters_total",
+            "Messages published to the dead-letter stream, by subject family.",
+            ["family"],
+            registry=registry,
+        )
+        self.published = Counter(
+            "eldr_bus_messages_published_total",
+            "Messages published, by subject family and transport (core, jetstream).",
+            ["family", "transport"],
+            registry=registry,
+        )
+        self.handler_seconds = Histogram(
+            "eldr_bus_handler_duration_seconds",
+            "Time spent in message handlers, by subject family.",
+            ["family"],
+            registry=registry,
+            buckets=(
+                0.0001,
+                0.00025,
+                0.0005,
+                0.001,
+                0.0025,
+                0.005,
+                0.01,
+                0.025,
+                0.05,
+                0.1,
+                0.25,
+                0.5,
+                1.0,
+                2.5,
+                5.0,
+            ),
+        )

@@ -1,0 +1,166 @@
+"""The shape of every ELDR service process.
+
+`run_service` does what each service would otherwise write again: configure logging,
+create a fresh Prometheus registry, connect the bus and apply the topology, serve
+`/metrics`, `/healthz` and `/readyz` over HTTP, call the service's `setup(ctx)` to wire its
+handlers, then wait for SIGTERM/SIGINT and shut down gracefully: mark not-ready, drain the
+bus (consumers stop fetching, in-flight handlers finish and ack), run the service's cleanups
+(in reverse order, through an AsyncExitStack), close the HTTP server.
+
+Readiness is explicit: a service calls `ctx.set_ready()` when it can do its job (the
+signature service, for instance, only after replaying the block stream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from eldr.bus import Bus, apply_topology, build_topology
+from eldr.settings import CommonSettings
+
+log = logging.getLogger(__name__)
+
+S = TypeVar("S", bound=CommonSettings)
+
+
+@dataclass
+class ServiceContext(Generic[S]):
+    """What `setup` gets: settings, the connected bus, the registry, a stop signal."""
+
+    name: str
+    settings: S
+    bus: Bus
+    registry: CollectorRegistry
+    stack: AsyncExitStack
+    stopping: asyncio.Event
+    started_monotonic_s: float = field(default_factory=time.monotonic)
+    _ready: bool = False
+    _checks: dict[str, Callable[[], bool]] = field(default_factory=dict)
+
+    def set_ready(self, ready: bool = True) -> None:
+        if ready != self._ready:
+            log.info(
+                "%s %s is %s",
+                self.name,
+                self.settings.instance_id,
+                "ready" if ready else "not ready",
+            )
+        self._ready = ready
+
+    def add_health_check(self, name: str, check: Callable[[], bool]) -> None:
+        """A readiness condition evaluated on every /readyz (must be cheap)."""
+        self._checks[name] = check
+
+    def readiness(self) -> tuple[bool, dict[str, bool]]:
+        detail = {"started": self._ready, "bus_connected": self.bus.is_connected}
+        for name, check in self._checks.items():
+            try:
+                detail[name] = bool(check())
+            except Exception:  # a broken check means not ready, never a crash
+                log.exception("readiness check %s failed", name)
+                detail[name] = False
+        return all(detail.values()), detail
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+async def _start_http(ctx: ServiceContext[S], port: int) -> web.AppRunner:
+    async def metrics(_: web.Request) -> web.Response:
+        body = generate_latest(ctx.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.json_response({"service": ctx.name, "instance": ctx.settings.instance_id})
+
+    async def readyz(_: web.Request) -> web.Response:
+        ok, detail = ctx.readiness()
+        return web.json_response({"ready": ok, **detail}, status=200 if ok else 503)
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "0.0.0.0", port)
+    await site.start()
+    log.info("%s serving /metrics /healthz /readyz on port %d", ctx.name, port)
+    return runner
+
+
+async def run_service(
+    name: str,
+    settings: S,
+    setup: Callable[[ServiceContext[S]], Awaitable[None]],
+    *,
+    stop: asyncio.Event | None = None,
+    install_signal_handlers: bool = True,
+) -> None:
+    """Run a service until `stop` is set or the process gets SIGTERM/SIGINT."""
+    stopping = stop or asyncio.Event()
+    registry = CollectorRegistry()
+    info = Gauge(
+        "eldr_service_info",
+        "Constant 1, labelled with the service name.",
+        ["service"],
+        registry=registry,
+    )
+    info.labels(service=name).set(1)
+    bus = await Bus.connect(settings, f"eldr-{name}-{settings.instance_id}", registry=registry)
+    runner: web.AppRunner | None = None
+    async with AsyncExitStack() as stack:
+        ctx: ServiceContext[S] = ServiceContext(
+            name=name, settings=settings, bus=bus, registry=registry, stack=stack, stopping=stopping
+        )
+        try:
+            changes = await apply_topology(bus, build_topology(settings.namespace, settings))
+            for change in changes:
+                if change.action != "unchanged":
+                    log.info("topology %s %s: %s", change.kind, change.name, change.action)
+            if settings.metrics_port:
+                runner = await _start_http(ctx, settings.metrics_port)
+            if install_signal_handlers:
+                loop = asyncio.get_running_loop()
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    with contextlib.suppress(NotImplementedError, RuntimeError):
+                        loop.add_signal_handler(sig, stopping.set)
+            await setup(ctx)
+            await stopping.wait()
+            log.info("%s %s stopping: draining", name, settings.instance_id)
+        finally:
+            ctx.set_ready(False)
+            await bus.drain()
+            # the ExitStack closes here: service cleanups run after the bus has drained
+    if runner is not None:
+        await runner.cleanup()
+    await bus.close()
+    log.info("%s %s stopped", name, settings.instance_id)
+
+
+def service_main(
+    name: str,
+    settings_type: type[S],
+    setup: Callable[[ServiceContext[S]], Awaitable[None]],
+) -> int:
+    """Console entry: read settings from the environment, run until signalled."""
+    settings = settings_type()
+    configure_logging(settings.log_level)
+    asyncio.run(run_service(name, settings, setup))
+    return 0

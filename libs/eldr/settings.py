@@ -1,0 +1,195 @@
+"""Typed settings, read from `ELDR_*` environment variables (the only place that reads them).
+
+`BusSettings` says how to reach NATS and how much to accept from it; `RetentionSettings`
+sizes the JetStream streams; `CommonSettings` adds what every service process has (log
+level, metrics port, instance id). Each service subclasses `CommonSettings` with its own
+fields, so one flat `ELDR_` namespace configures a process, e.g. `ELDR_NATS_URL`,
+`ELDR_NAMESPACE`, `ELDR_DECISIONS_MAX_AGE_S`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import uuid
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+NAMESPACE_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,31}$"
+"""Lower case so that upper-cased stream names (`ELDR_BLOCKS`) cannot collide; no dots
+(it is one subject token); short, because it prefixes stream and bucket names."""
+
+_CONFIG = SettingsConfigDict(env_prefix="ELDR_", extra="forbid", validate_default=True)
+
+
+class BusSettings(BaseSettings):
+    """How to reach NATS, authenticate, and bound what is accepted from it."""
+
+    model_config = _CONFIG
+
+    nats_url: str = Field(
+        default="nats://127.0.0.1:4222",
+        description="NATS server URL; several may be given separated by commas.",
+    )
+    namespace: str = Field(
+        default="eldr",
+        pattern=NAMESPACE_PATTERN,
+        description="Prefix of every subject, stream and bucket; tests use one per test.",
+    )
+    connect_timeout_s: float = Field(
+        default=2.0, gt=0, description="Timeout of one connect attempt."
+    )
+    startup_wait_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="How long the first connect keeps retrying (NATS may start later).",
+    )
+    reconnect_wait_s: float = Field(
+        default=0.5, gt=0, description="Pause between reconnect attempts."
+    )
+    max_reconnect_attempts: int = Field(
+        default=-1, ge=-1, description="Reconnect attempts before giving up; -1 retries forever."
+    )
+    ping_interval_s: float = Field(
+        default=10.0, gt=0, description="Interval of client keep-alive pings."
+    )
+    max_outstanding_pings: int = Field(
+        default=3, ge=1, description="Unanswered pings after which the connection counts as stale."
+    )
+    request_timeout_s: float = Field(
+        default=2.0, gt=0, description="Default timeout of requests and JetStream API calls."
+    )
+    drain_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Bound on a graceful drain (handlers finishing, acks flushed).",
+    )
+    fetch_timeout_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="Long-poll expiry of one pull-consumer fetch; also bounds how long a "
+        "drain waits for an idle consumer loop.",
+    )
+    max_payload_bytes: int = Field(
+        default=1 << 20,
+        gt=0,
+        description="Messages larger than this are rejected before decoding.",
+    )
+    max_object_bytes: int = Field(
+        default=256 << 20, gt=0, description="Largest object-store object that will be read."
+    )
+
+    user: str | None = Field(default=None, description="NATS user name (with password).")
+    password: SecretStr | None = Field(default=None, description="NATS password.")
+    token: SecretStr | None = Field(default=None, description="NATS authentication token.")
+    nkeys_seed_file: Path | None = Field(
+        default=None, description="File holding an NKEY seed (needs the `nkeys` package)."
+    )
+    creds_file: Path | None = Field(
+        default=None, description="NATS credentials file (JWT + seed; needs the `nkeys` package)."
+    )
+    tls_ca_file: Path | None = Field(
+        default=None, description="CA bundle to verify the server with."
+    )
+    tls_cert_file: Path | None = Field(
+        default=None, description="Client certificate for mutual TLS."
+    )
+    tls_key_file: Path | None = Field(default=None, description="Private key of tls_cert_file.")
+    tls_hostname: str | None = Field(
+        default=None, description="Server name to verify, when it differs from the URL's host."
+    )
+
+    @model_validator(mode="after")
+    def _check_auth(self) -> BusSettings:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file must be given together")
+        if self.password is not None and self.user is None:
+            raise ValueError("password given without user")
+        return self
+
+
+class RetentionSettings(BaseSettings):
+    """Limits of the JetStream streams (see `eldr.bus.topology`)."""
+
+    model_config = _CONFIG
+
+    stream_storage: Literal["file", "memory"] = Field(
+        default="file", description="Storage of every stream and of the object store."
+    )
+    stream_replicas: int = Field(default=1, ge=1, le=5, description="Replicas of every stream.")
+    blocks_max_age_s: float = Field(
+        default=6 * 3600.0,
+        gt=0,
+        description="Block-summary retention: a block older than this is forgotten by "
+        "restarting signature replicas (which replay BLOCKS).",
+    )
+    blocks_max_bytes: int = Field(default=1 << 30, gt=0, description="Size cap of BLOCKS.")
+    prefill_max_age_s: float = Field(
+        default=900.0,
+        gt=0,
+        description="PrefillDone retention; older events are of no use to route.",
+    )
+    prefill_max_bytes: int = Field(default=256 << 20, gt=0, description="Size cap of PREFILL.")
+    decisions_max_age_s: float = Field(
+        default=7 * 86400.0, gt=0, description="Decision retention (replay, training, audits)."
+    )
+    decisions_max_bytes: int = Field(default=1 << 30, gt=0, description="Size cap of DECISIONS.")
+    load_max_age_s: float = Field(default=600.0, gt=0, description="LoadReport retention.")
+    load_max_bytes: int = Field(default=128 << 20, gt=0, description="Size cap of LOAD.")
+    profiles_max_age_s: float = Field(
+        default=7 * 86400.0, gt=0, description="DecodeProfile retention."
+    )
+    profiles_max_bytes: int = Field(default=1 << 30, gt=0, description="Size cap of PROFILES.")
+    partitions_history: int = Field(
+        default=64, ge=1, description="Partition announcements kept on `{ns}.partition.active`."
+    )
+    partitions_max_bytes: int = Field(
+        default=4 << 30, gt=0, description="Size cap of the partition object-store bucket."
+    )
+    dlq_max_age_s: float = Field(default=7 * 86400.0, gt=0, description="Dead-letter retention.")
+    dlq_max_bytes: int = Field(default=256 << 20, gt=0, description="Size cap of DLQ.")
+    duplicate_window_s: float = Field(
+        default=120.0, gt=0, description="JetStream de-duplication window for Nats-Msg-Id."
+    )
+    router_ack_wait_s: float = Field(
+        default=10.0, gt=0, description="Redeliver a PrefillDone not acked by a router within this."
+    )
+    router_max_deliver: int = Field(
+        default=5, ge=1, description="Deliveries of a PrefillDone before it is dead-lettered."
+    )
+    router_max_ack_pending: int = Field(
+        default=4096, ge=1, description="PrefillDone events in flight across all router replicas."
+    )
+
+
+def _default_instance_id() -> str:
+    host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:40] or "host"
+    return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class CommonSettings(BusSettings, RetentionSettings):
+    """Settings every service process has; service settings subclass this."""
+
+    model_config = _CONFIG
+
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        default="INFO", description="Root log level."
+    )
+    metrics_port: int = Field(
+        default=0, ge=0, le=65535, description="Port of the Prometheus /metrics endpoint; 0 = off."
+    )
+    instance_id: str = Field(
+        default_factory=_default_instance_id,
+        pattern=r"^[A-Za-z0-9_-]{1,128}$",
+        description="Identity of this process (router_id, worker id, metrics); defaults "
+        "to host-pid-random.",
+    )
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper_level(cls, value: object) -> object:
+        return value.upper() if isinstance(value, str) else value

@@ -1,0 +1,505 @@
+"""Every message that travels on the bus (see docs/ARCHITECTURE.md, "Services and data flow").
+
+Each top-level type is a frozen msgspec Struct with a `kind` tag and a schema version `v`
+(from `Message`); nested types (`BlockSummaryMsg`, arrays) carry neither. Field docs say
+what a field means and its unit. Evolution rule: append fields with defaults, bump `v`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from eldr.wire.arrays import NdArray, SparseCounts
+from eldr.wire.base import (
+    MAX_ABS_FLOAT,
+    MAX_ADMITTED,
+    MAX_ATTR_VALUE_LEN,
+    MAX_ATTRS,
+    MAX_BLOCKS_PER_BATCH,
+    MAX_DEAD_LETTER_PAYLOAD_BYTES,
+    MAX_HEADERS,
+    MAX_ID_LEN,
+    MAX_METRICS,
+    MAX_MISSING_LISTED,
+    MAX_PARAMS,
+    MAX_SCORES,
+    MAX_WAIT_MS,
+    MAX_WORKERS,
+    U64,
+    BlockHashes,
+    BlockSize,
+    Count,
+    DurationS,
+    FiniteFloat,
+    Ident,
+    Message,
+    NumExperts,
+    NumMoeLayers,
+    Positive,
+    Sha256Hex,
+    Text,
+    TimestampS,
+    Token,
+    Version,
+    WorkerList,
+    require,
+)
+
+AttrKey = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+AttrValue = Annotated[str, msgspec.Meta(max_length=MAX_ATTR_VALUE_LEN)]
+ParamValue = FiniteFloat | int | Annotated[str, msgspec.Meta(max_length=MAX_ID_LEN)]
+ScoredWorker = tuple[Token, FiniteFloat]
+
+
+def _require_shape(counts: SparseCounts | None, n_layers: int, n_experts: int, what: str) -> None:
+    if counts is not None:
+        require(
+            counts.shape == [n_layers, n_experts],
+            f"{what} has shape {counts.shape}, expected [{n_layers}, {n_experts}]",
+        )
+
+
+# --- prefill side ------------------------------------------------------------------------
+
+
+class BlockSummaryMsg(msgspec.Struct, frozen=True):
+    """Expert counts of one full, cacheable KV block."""
+
+    block_hash: U64
+    """Chained 64-bit block hash (`eldr.core.blocks`), identical across processes."""
+    parent_hash: U64 | None
+    """Hash of the previous block of the same sequence; None for a sequence's first block."""
+    n_tokens: Positive
+    """Tokens in the block (= the batch's block_size for a full block)."""
+    counts: SparseCounts
+    """How many of the block's tokens routed to expert e at MoE layer l, [L, E]."""
+
+
+class BlockSummaryBatch(Message, frozen=True, tag="block_summary_batch"):
+    """New block summaries from one prefill worker, batched per engine step.
+
+    Published on `{ns}.blocks.{worker_id}` (stream BLOCKS). Delivery is at-least-once and
+    ordered per publisher; `seq` lets a consumer detect gaps and duplicates.
+    """
+
+    worker_id: Token
+    """Publishing prefill worker."""
+    seq: U64
+    """Per-publisher sequence number, +1 per batch, restarting at 0 with the process."""
+    ts_s: TimestampS
+    """Publisher's wall clock when the batch was built, Unix seconds."""
+    model: Ident
+    num_moe_layers: NumMoeLayers
+    num_experts: NumExperts
+    block_size: BlockSize
+    """Tokens per KV block."""
+    blocks: Annotated[list[BlockSummaryMsg], msgspec.Meta(max_length=MAX_BLOCKS_PER_BATCH)]
+
+    def __post_init__(self) -> None:
+        require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
+        for i, block in enumerate(self.blocks):
+            require(
+                block.n_tokens <= self.block_size,
+                f"blocks[{i}] has {block.n_tokens} tokens, block_size is {self.block_size}",
+            )
+            _require_shape(block.counts, self.num_moe_layers, self.num_experts, f"blocks[{i}]")
+
+
+class PrefillDone(Message, frozen=True, tag="prefill_done"):
+    """A request finished prefill and waits for a decode worker.
+
+    Published on `{ns}.prefill.done.{prefill_worker}` (stream PREFILL); consumed by one
+    router replica through the durable consumer `router`.
+    """
+
+    request_id: Ident
+    model: Ident
+    prefill_worker: Token
+    ts_s: TimestampS
+    """When prefill finished, Unix seconds (prefill worker's clock)."""
+    block_size: BlockSize
+    block_hashes: BlockHashes
+    """Chained hashes of the prompt's full blocks, in order (n_prompt_tokens // block_size)."""
+    n_prompt_tokens: Count
+    partial: SparseCounts | None
+    """Counts of the trailing partial block (never cached); None if the prompt ends on a
+    block boundary or the producer could not summarise it."""
+    num_moe_layers: NumMoeLayers
+    num_experts: NumExperts
+    reply_to: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)] | None = None
+    """Core subject on which the requester waits for the `Decision`; None: nobody waits."""
+    prefill_s: DurationS | None = None
+    """Prefill duration in seconds, when the producer measured it."""
+    max_tokens: Count | None = None
+    """The request's decode budget (tokens), if known; a hint for load accounting."""
+    attrs: Annotated[dict[AttrKey, AttrValue], msgspec.Meta(max_length=MAX_ATTRS)] = msgspec.field(
+        default_factory=dict
+    )
+    """Small free-form labels (workload label, tenant) for replay and analysis."""
+
+    def __post_init__(self) -> None:
+        require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
+        require(
+            len(self.block_hashes) == self.n_prompt_tokens // self.block_size,
+            f"{len(self.block_hashes)} block hashes for {self.n_prompt_tokens} prompt tokens "
+            f"at block size {self.block_size}",
+        )
+        require(
+            self.partial is None or self.n_prompt_tokens % self.block_size != 0,
+            "partial counts given but the prompt ends on a block boundary",
+        )
+        _require_shape(self.partial, self.num_moe_layers, self.num_experts, "partial")
+
+
+# --- signature assembly (core request/reply on {ns}.sig.assemble) ------------------------
+
+
+class AssembleRequest(Message, frozen=True, tag="assemble_request"):
+    """Router -> signature service: sum the cached counts of these blocks (plus `partial`)."""
+
+    request_id: Ident
+    model: Ident
+    """Block hashes are per model: the cache is keyed by (model, block hash)."""
+    block_hashes: BlockHashes
+    partial: SparseCounts | None
+    wait_ms: Annotated[int, msgspec.Meta(ge=0, le=MAX_WAIT_MS)]
+    """How long the service may wait for summaries still in flight before answering."""
+
+
+class AssembleReply(Message, frozen=True, tag="assemble_reply"):
+    """The request's prefill expert counts, summed over the blocks found."""
+
+    request_id: Ident
+    counts: NdArray | None
+    """uint32 [L, E]; None when no block was found and no partial was given, or on error."""
+    blocks_total: Count
+    blocks_found: Count
+    missing: Annotated[list[U64], msgspec.Meta(max_length=MAX_MISSING_LISTED)]
+    """Hashes not found (the first MAX_MISSING_LISTED); blocks_total - blocks_found is exact."""
+    error: Text | None = None
+
+    def __post_init__(self) -> None:
+        require(
+            self.blocks_found <= self.blocks_total,
+            f"blocks_found {self.blocks_found} > blocks_total {self.blocks_total}",
+        )
+        if self.counts is not None:
+            require(
+                self.counts.dtype == "uint32" and len(self.counts.shape) == 2,
+                f"counts must be uint32 [L, E], got {self.counts.dtype} {self.counts.shape}",
+            )
+
+
+# --- routing ------------------------------------------------------------------------------
+
+
+class Decision(Message, frozen=True, tag="decision"):
+    """Where a request goes, and why.
+
+    Published on `{ns}.decisions.{rid}` (stream DECISIONS) with expected last subject
+    sequence 0, so the first decision for a request id wins; also sent to `reply_to`.
+    """
+
+    request_id: Ident
+    ts_s: TimestampS
+    router_id: Ident
+    model: Ident
+    worker_id: Token
+    """Chosen decode worker."""
+    policy: Ident
+    params: Annotated[dict[AttrKey, ParamValue], msgspec.Meta(max_length=MAX_PARAMS)]
+    """Policy parameters in force (e.g. tau)."""
+    partition_version: Version | None
+    """Partition the decision used; None for policies that need none."""
+    fallback: Text | None
+    """Why the policy fell back (e.g. "no_partition", "signature_timeout"); None if it did not."""
+    scores: Annotated[list[ScoredWorker], msgspec.Meta(max_length=MAX_SCORES)]
+    """Top candidates by locality score, best first."""
+    band: WorkerList
+    """Workers within tau of the best score (the locality band)."""
+    loads: Annotated[list[ScoredWorker], msgspec.Meta(max_length=MAX_WORKERS)]
+    """The load measure of the workers considered, as the router saw it."""
+    signature: SparseCounts | None
+    """The request's prefill expert counts, for replay and the trainer."""
+    missing_blocks: Count
+    """Full blocks whose summaries the signature service did not have."""
+    decide_s: DurationS
+    """Time from taking the PrefillDone to publishing this decision, seconds."""
+
+
+class LoadReport(Message, frozen=True, tag="load_report"):
+    """A decode worker's load, published periodically on `{ns}.load.{worker_id}`."""
+
+    worker_id: Token
+    incarnation: Ident
+    """New per process start: a change resets the receiver's view (and `seq`)."""
+    seq: U64
+    """Per-incarnation sequence number, +1 per report."""
+    ts_s: TimestampS
+    running: Count
+    """Requests decoding now."""
+    waiting: Count
+    """Requests admitted but not yet scheduled."""
+    kv_tokens: Count
+    """KV-cache tokens in use."""
+    kv_capacity_tokens: Count
+    admitted: Annotated[list[Ident], msgspec.Meta(max_length=MAX_ADMITTED)]
+    """Request ids admitted since the previous report (lets routers retire their
+    optimistic in-flight increments)."""
+    draining: bool = False
+    """True while shutting down: route nothing new here."""
+
+
+class DecodeProfile(Message, frozen=True, tag="decode_profile"):
+    """Decode-side expert counts of a finished request, on `{ns}.profiles.{worker_id}`."""
+
+    request_id: Ident
+    worker_id: Token
+    ts_s: TimestampS
+    """When decoding finished, Unix seconds."""
+    tokens: Count
+    """Decode tokens generated."""
+    counts: SparseCounts
+    """Decode expert counts [L, E] over all generated tokens."""
+    tpot_s: DurationS | None = None
+    """Mean time per output token, seconds, if measured."""
+
+
+# --- partitions ---------------------------------------------------------------------------
+
+
+class PartitionAnnouncement(Message, frozen=True, tag="partition_announcement"):
+    """A new partition version is active; its blob is in the object store.
+
+    Published on `{ns}.partition.active` (stream PARTITIONS); routers read the last one at
+    start and hot-swap on each new one.
+    """
+
+    version: Version
+    model: Ident
+    object_name: Ident
+    """Name of the `PartitionBlob` in bucket `{ns}-partitions`."""
+    sha256: Sha256Hex
+    """Hex SHA-256 of the blob's encoded bytes."""
+    created_ts_s: TimestampS
+    k: Positive
+    """Number of clusters."""
+    dim: Positive
+    """Dimension of the centroids (after any projection)."""
+    workers: WorkerList
+    """Decode workers the partition assigns clusters to."""
+
+
+class PartitionBlob(Message, frozen=True, tag="partition_blob"):
+    """Everything a router needs to score a signature against a partition version."""
+
+    version: Version
+    model: Ident
+    transform: Ident
+    """Signature transform, e.g. "counts_idf" or "raw" (`eldr.core.signature`)."""
+    num_moe_layers: NumMoeLayers
+    num_experts: NumExperts
+    idf: NdArray | None
+    """float32 [L, E] IDF weights when the transform uses them."""
+    layer_mask: NdArray
+    """uint8 [L]: 1 for the MoE layers the signature keeps."""
+    centroids: NdArray
+    """float32 [M, d], unit length; M >= k when clusters have sub-centroids."""
+    owners: Annotated[list[Count], msgspec.Meta(max_length=1 << 20)]
+    """owners[m] is the index into `workers` of centroid m's worker."""
+    workers: WorkerList
+    prices: NdArray | None
+    """float32 [len(workers)] per-worker score offsets from the balanced fit, if any."""
+    metrics: Annotated[dict[Ident, FiniteFloat], msgspec.Meta(max_length=MAX_METRICS)]
+    """Fit diagnostics (inertia, balance, iterations, ...)."""
+    projection: NdArray | None = None
+    """float32 [D, d]: when set, a signature (length D = kept layers x E) is centred by
+    `projection_mean` and multiplied by this before scoring."""
+    projection_mean: NdArray | None = None
+    """float32 [D]."""
+
+    def __post_init__(self) -> None:
+        n_layers, n_experts = self.num_moe_layers, self.num_experts
+        require(
+            self.layer_mask.dtype == "uint8" and self.layer_mask.shape == [n_layers],
+            f"layer_mask must be uint8 [{n_layers}], got {self.layer_mask.dtype} "
+            f"{self.layer_mask.shape}",
+        )
+        if self.idf is not None:
+            require(
+                self.idf.dtype == "float32" and self.idf.shape == [n_layers, n_experts],
+                f"idf must be float32 [{n_layers}, {n_experts}], got {self.idf.dtype} "
+                f"{self.idf.shape}",
+            )
+        require(
+            self.centroids.dtype == "float32" and len(self.centroids.shape) == 2,
+            f"centroids must be float32 [M, d], got {self.centroids.dtype} {self.centroids.shape}",
+        )
+        n_centroids, dim = self.centroids.shape
+        require(
+            len(self.owners) == n_centroids,
+            f"{len(self.owners)} owners for {n_centroids} centroids",
+        )
+        require(
+            all(o < len(self.workers) for o in self.owners),
+            f"an owner index is >= the number of workers ({len(self.workers)})",
+        )
+        if self.prices is not None:
+            require(
+                self.prices.dtype == "float32" and self.prices.shape == [len(self.workers)],
+                f"prices must be float32 [{len(self.workers)}], got {self.prices.shape}",
+            )
+        if self.projection is not None:
+            require(
+                self.projection.dtype == "float32"
+                and len(self.projection.shape) == 2
+                and self.projection.shape[1] == dim,
+                f"projection must be float32 [D, {dim}], got {self.projection.shape}",
+            )
+            require(
+                self.projection_mean is not None
+                and self.projection_mean.dtype == "float32"
+                and self.projection_mean.shape == self.projection.shape[:1],
+                "projection_mean must be float32 [D] when projection is set",
+            )
+
+
+# --- control ------------------------------------------------------------------------------
+
+
+class RouterControl(Message, frozen=True, tag="router_control"):
+    """CLI -> every router replica: change settings; all fields None = just report."""
+
+    policy: Ident | None = None
+    tau: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_ABS_FLOAT)] | None = None
+    """Locality band width (cosine units), >= 0."""
+    load_measure: Ident | None = None
+    """e.g. "inflight" or "kv_tokens"."""
+
+
+class RouterControlReply(Message, frozen=True, tag="router_control_reply"):
+    router_id: Ident
+    policy: Ident
+    params: Annotated[dict[AttrKey, ParamValue], msgspec.Meta(max_length=MAX_PARAMS)]
+
+
+class RefitRequest(Message, frozen=True, tag="refit_request"):
+    """CLI -> trainer: fit and publish a new partition version now."""
+
+    reason: Text
+    k: Positive | None = None
+    """Number of clusters; None = one per known decode worker."""
+
+
+class RefitReply(Message, frozen=True, tag="refit_reply"):
+    version: Version | None
+    """The new version; None if no version was published."""
+    status: Ident
+    """e.g. "ok", "skipped", "error"."""
+    message: Text
+
+
+# --- simulated workers (development and tests; `eldr_services.simprefill/simdecode`) -----
+
+
+class DecodeJob(Message, frozen=True, tag="decode_job"):
+    """Simulated gateway -> simulated decode worker: decode this request.
+
+    Core request on `{ns}.sim.decode.{worker_id}`; the worker answers `DecodeJobAck` at once
+    and decodes in (scaled) real time, replaying `decode_ids` step by step.
+    """
+
+    request_id: Ident
+    worker_id: Token
+    model: Ident
+    prompt_tokens: Count
+    decode_ids: NdArray
+    """int16 [decode_tokens, moe_layers, top_k]: the experts each decode token routes to."""
+    label: Annotated[str, msgspec.Meta(max_length=MAX_ID_LEN)] = ""
+    """Workload label (e.g. the trace's subject), for statistics."""
+
+    def __post_init__(self) -> None:
+        require(
+            self.decode_ids.dtype == "int16" and len(self.decode_ids.shape) == 3,
+            f"decode_ids must be int16 [tokens, layers, top_k], got {self.decode_ids.dtype} "
+            f"{self.decode_ids.shape}",
+        )
+
+
+class DecodeJobAck(Message, frozen=True, tag="decode_job_ack"):
+    request_id: Ident
+    accepted: bool
+    reason: Text | None = None
+
+
+class SimStatsRequest(Message, frozen=True, tag="sim_stats_request"):
+    """Ask every simulated decode worker for its statistics (`{ns}.sim.stats`)."""
+
+    reset: bool = False
+    """Clear the statistics after answering (start a new measurement window)."""
+
+
+class SimStats(Message, frozen=True, tag="sim_stats"):
+    """A simulated decode worker's statistics since its last reset."""
+
+    worker_id: Token
+    steps: Count
+    """Decode steps run."""
+    union_per_layer_sum: Annotated[float, msgspec.Meta(ge=0.0)]
+    """Sum over steps of distinct experts per MoE layer (divide by `steps` for the mean)."""
+    batch_sum: Count
+    """Sum over steps of the batch size."""
+    finished: Count
+    """Requests finished."""
+    tpot_s: NdArray
+    """float32 [finished (at most the newest 65,536)]: TPOT of each finished request."""
+    running: Count = 0
+    waiting: Count = 0
+
+
+# --- operations ---------------------------------------------------------------------------
+
+
+class DeadLetter(Message, frozen=True, tag="dead_letter"):
+    """A message the bus could not process, on `{ns}.dlq.{stream}` (stream DLQ)."""
+
+    subject: Annotated[str, msgspec.Meta(max_length=MAX_ID_LEN * 2)]
+    """Subject the message arrived on."""
+    stream: Annotated[str, msgspec.Meta(max_length=MAX_ID_LEN)] | None
+    """Stream it came from; None for core messages."""
+    error: Text
+    received_ts_s: TimestampS
+    payload: Annotated[bytes, msgspec.Meta(max_length=MAX_DEAD_LETTER_PAYLOAD_BYTES)]
+    """The original payload, truncated to MAX_DEAD_LETTER_PAYLOAD_BYTES."""
+    headers: Annotated[dict[str, Text], msgspec.Meta(max_length=MAX_HEADERS)]
+    payload_size_bytes: Count = 0
+    """Size of the original payload before truncation."""
+    stream_seq: U64 | None = None
+    """Sequence of the message in `stream`, when it came from a stream."""
+    num_delivered: Count = 0
+    """Deliveries of the message before it was dead-lettered (0 for core messages)."""
+
+
+ALL_MESSAGE_TYPES: tuple[type[Message], ...] = (
+    BlockSummaryBatch,
+    PrefillDone,
+    AssembleRequest,
+    AssembleReply,
+    Decision,
+    LoadReport,
+    DecodeProfile,
+    PartitionAnnouncement,
+    PartitionBlob,
+    RouterControl,
+    RouterControlReply,
+    RefitRequest,
+    RefitReply,
+    DecodeJob,
+    DecodeJobAck,
+    SimStatsRequest,
+    SimStats,
+    DeadLetter,
+)
+"""Every top-level message type; the codec decodes against this tagged union."""
