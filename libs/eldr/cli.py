@@ -19,6 +19,9 @@ COMMAND_MODULES: tuple[str, ...] = (
     "eldr.bench.routing_bench",
     "eldr.bench.kmeans_bench",
     "eldr.store.cli",
+    "eldr.serve",
+    "eldr.dev.cli",
+    "eldr.trainer_cli",
 )
 
 

@@ -3,9 +3,10 @@
 `run_service` does what each service would otherwise write again: configure logging,
 create a fresh Prometheus registry, connect the bus and apply the topology, serve
 `/metrics`, `/healthz` and `/readyz` over HTTP, call the service's `setup(ctx)` to wire its
-handlers, then wait for SIGTERM/SIGINT and shut down gracefully: mark not-ready, drain the
-bus (consumers stop fetching, in-flight handlers finish and ack), run the service's cleanups
-(in reverse order, through an AsyncExitStack), close the HTTP server.
+handlers, then wait for SIGTERM/SIGINT and shut down gracefully: mark not-ready, run the
+service's `on_stopping` callbacks while still connected, drain the bus (consumers stop
+fetching, in-flight handlers finish and ack), run the service's cleanups (in reverse order,
+through an AsyncExitStack), close the HTTP server.
 
 Readiness is explicit: a service calls `ctx.set_ready()` when it can do its job (the
 signature service, for instance, only after replaying the block stream).
@@ -48,8 +49,28 @@ class ServiceContext(Generic[S]):
     started_monotonic_s: float = field(default_factory=time.monotonic)
     _ready: bool = False
     _checks: dict[str, Callable[[], bool]] = field(default_factory=dict)
+    ready_event: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set while the service is ready (tests running a service in-process await it)."""
+    _on_stopping: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+
+    def on_stopping(self, callback: Callable[[], Awaitable[None]]) -> None:
+        """Run `callback` when the stop signal arrives, while the bus is still connected
+        (before the drain): e.g. refuse new work and publish a last "draining" report.
+        Callbacks run in reverse order of registration; a failing one is logged."""
+        self._on_stopping.append(callback)
+
+    async def run_stopping_callbacks(self) -> None:
+        for callback in reversed(self._on_stopping):
+            try:
+                await callback()
+            except Exception:
+                log.exception("%s: a stopping callback failed; stopping anyway", self.name)
 
     def set_ready(self, ready: bool = True) -> None:
+        if ready:
+            self.ready_event.set()
+        else:
+            self.ready_event.clear()
         if ready != self._ready:
             log.info(
                 "%s %s is %s",
@@ -111,9 +132,14 @@ async def run_service(
     setup: Callable[[ServiceContext[S]], Awaitable[None]],
     *,
     stop: asyncio.Event | None = None,
+    ready: asyncio.Event | None = None,
     install_signal_handlers: bool = True,
 ) -> None:
-    """Run a service until `stop` is set or the process gets SIGTERM/SIGINT."""
+    """Run a service until `stop` is set or the process gets SIGTERM/SIGINT.
+
+    `ready`, when given, is set once the service calls `ctx.set_ready()` (for tests that
+    run services in-process).
+    """
     stopping = stop or asyncio.Event()
     registry = CollectorRegistry()
     info = Gauge(
@@ -129,6 +155,8 @@ async def run_service(
         ctx: ServiceContext[S] = ServiceContext(
             name=name, settings=settings, bus=bus, registry=registry, stack=stack, stopping=stopping
         )
+        if ready is not None:
+            ctx.ready_event = ready
         try:
             changes = await apply_topology(bus, build_topology(settings.namespace, settings))
             for change in changes:
@@ -144,6 +172,8 @@ async def run_service(
             await setup(ctx)
             await stopping.wait()
             log.info("%s %s stopping: draining", name, settings.instance_id)
+            ctx.set_ready(False)
+            await ctx.run_stopping_callbacks()
         finally:
             ctx.set_ready(False)
             await bus.drain()

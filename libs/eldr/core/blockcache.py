@@ -5,9 +5,13 @@ signature counts are the sum of the summaries of its blocks (looked up by the ch
 hash) plus its trailing partial block (carried in the request itself), so blocks served from
 a prefix cache, whose tokens were never routed in this request, still count exactly.
 
-Entries are sparse (flat uint32 indices into [moe_layers * experts], uint16 counts) and the
-cache is bounded by bytes with least-recently-used eviction. Keys include the model name:
-the same tokens through two models are two different blocks.
+Blocks arrive sparse (flat uint32 indices into [moe_layers * experts], uint16 counts). Each
+is stored in whichever form is smaller: sparse (6 bytes per non-zero cell), or dense uint8
+(1 byte per cell, when every count fits). A top-8 model's block touches about half its
+cells (48 x 128 cells, about 3,100 non-zero for a 16-token block), where dense is a third
+of the size and ten times faster to sum; a top-1 model's block is sparse. The cache is
+bounded by bytes with least-recently-used eviction. Keys include the model name: the same
+tokens through two models are two different blocks.
 """
 
 from __future__ import annotations
@@ -19,20 +23,88 @@ from dataclasses import dataclass
 import numpy as np
 
 ENTRY_OVERHEAD_BYTES = 160
-"""Per-entry bookkeeping (key tuple, dict slot, two small array headers), roughly, so that the
+"""Per-entry bookkeeping (key tuple, dict slot, small array headers), roughly, so that the
 byte budget bounds real memory rather than payload alone."""
+
+_U8_MAX = int(np.iinfo(np.uint8).max)
 
 
 @dataclass(frozen=True)
 class SparseBlock:
-    """One block's counts: flat indices (uint32, sorted, unique) and values (uint16)."""
+    """One block's counts over `dim` = moe_layers * experts cells.
+
+    idx: flat indices (unsigned integers, strictly ascending, < dim); val: one non-negative
+    integer count per index (uint16 for cached blocks; a request's partial block may carry
+    uint32). Checked on construction, so a block can always be added exactly: the indices
+    are unique, and a block encoded for another geometry is refused by `dim`, not summed
+    into the wrong cells.
+    """
 
     idx: np.ndarray
     val: np.ndarray
+    dim: int
+
+    def __post_init__(self) -> None:
+        if self.dim <= 0:
+            raise ValueError(f"dim must be positive, got {self.dim}")
+        if self.idx.ndim != 1 or self.val.ndim != 1 or self.idx.shape != self.val.shape:
+            raise ValueError(
+                f"idx and val must be 1-D and equally long, got {self.idx.shape} and "
+                f"{self.val.shape}"
+            )
+        if self.idx.size == 0:
+            return
+        if self.idx.dtype.kind != "u" or self.val.dtype.kind != "u":
+            raise ValueError(
+                f"idx and val must be unsigned integers, got {self.idx.dtype} and {self.val.dtype}"
+            )
+        if self.idx.size > 1 and not bool(np.all(self.idx[1:] > self.idx[:-1])):
+            raise ValueError("block indices must be strictly ascending")
+        if int(self.idx[-1]) >= self.dim:
+            raise ValueError(f"block index {int(self.idx[-1])} outside dimension {self.dim}")
 
     @property
     def nbytes(self) -> int:
+        """Size in the sparse form, overhead included."""
         return int(self.idx.nbytes + self.val.nbytes) + ENTRY_OVERHEAD_BYTES
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """A cached block: exactly one of `sparse` and `dense` (uint8 [dim]) is set."""
+
+    dim: int
+    nbytes: int
+    sparse: SparseBlock | None = None
+    dense: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, block: SparseBlock) -> _Entry:
+        dense_nbytes = block.dim + ENTRY_OVERHEAD_BYTES
+        fits_u8 = block.val.size == 0 or int(block.val.max()) <= _U8_MAX
+        if fits_u8 and dense_nbytes < block.nbytes:
+            dense = np.zeros(block.dim, dtype=np.uint8)
+            dense[block.idx] = block.val
+            return cls(dim=block.dim, nbytes=dense_nbytes, dense=dense)
+        return cls(dim=block.dim, nbytes=block.nbytes, sparse=block)
+
+    def to_sparse(self) -> SparseBlock:
+        if self.sparse is not None:
+            return self.sparse
+        assert self.dense is not None
+        idx = np.flatnonzero(self.dense).astype(np.uint32)
+        return SparseBlock(idx=idx, val=self.dense[idx].astype(np.uint16), dim=self.dim)
+
+    def add_to(self, counts: np.ndarray) -> None:
+        if self.dense is not None:
+            counts += self.dense
+        elif self.sparse is not None:
+            _accumulate(counts, self.sparse)
+
+
+def stored_nbytes(block: SparseBlock) -> int:
+    """Bytes `block` takes in the cache (the smaller of its sparse and dense forms)."""
+    return _Entry.of(block).nbytes
 
 
 @dataclass(frozen=True)
@@ -40,8 +112,8 @@ class Assembly:
     """A request's counts assembled from the cache.
 
     counts: uint32 [moe_layers * experts]; found: how many of the requested block hashes
-    were in the cache; missing: the hashes that were not (never guessed at: their tokens
-    simply do not count, and callers decide whether that is good enough).
+    were in the cache; missing: the hashes that were not, in request order (never guessed
+    at: their tokens simply do not count, and callers decide whether that is good enough).
     """
 
     counts: np.ndarray
@@ -54,13 +126,13 @@ class Assembly:
 
 
 class BlockCache:
-    """LRU cache of block summaries bounded by `max_bytes`."""
+    """LRU cache of block summaries bounded by `max_bytes` (`stored_nbytes` summed)."""
 
     def __init__(self, max_bytes: int) -> None:
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[tuple[str, int], SparseBlock] = OrderedDict()
+        self._entries: OrderedDict[tuple[str, int], _Entry] = OrderedDict()
         self._bytes = 0
         self.hits = 0
         self.misses = 0
@@ -70,6 +142,7 @@ class BlockCache:
         return len(self._entries)
 
     def __contains__(self, key: tuple[str, int]) -> bool:
+        """Membership without touching recency or the hit/miss counters."""
         return key in self._entries
 
     @property
@@ -80,32 +153,35 @@ class BlockCache:
         """Insert (or refresh) a block; returns True when it was not cached before.
 
         A block's summary is a function of its tokens (causal routing), so a second
-        summary under the same hash only refreshes recency.
+        summary under the same hash only refreshes recency. A block larger than the whole
+        budget is not cached (returns False).
         """
         key = (model, block_hash)
         if key in self._entries:
             self._entries.move_to_end(key)
             return False
-        size = block.nbytes
-        if size > self.max_bytes:
+        entry = _Entry.of(block)
+        if entry.nbytes > self.max_bytes:
             return False
-        self._entries[key] = block
-        self._bytes += size
-        while self._bytes > self.max_bytes:
+        # Evict before inserting so that the budget holds at every instant.
+        while self._bytes + entry.nbytes > self.max_bytes:
             _, old = self._entries.popitem(last=False)
             self._bytes -= old.nbytes
             self.evictions += 1
+        self._entries[key] = entry
+        self._bytes += entry.nbytes
         return True
 
     def get(self, model: str, block_hash: int) -> SparseBlock | None:
+        """The block, refreshed as most recently used; None (a miss) if absent."""
         key = (model, block_hash)
-        block = self._entries.get(key)
-        if block is None:
+        entry = self._entries.get(key)
+        if entry is None:
             self.misses += 1
             return None
         self._entries.move_to_end(key)
         self.hits += 1
-        return block
+        return entry.to_sparse()
 
     def assemble(
         self,
@@ -116,27 +192,39 @@ class BlockCache:
     ) -> Assembly:
         """Sum the cached blocks of a request and its trailing partial block.
 
-        dim: moe_layers * experts of the model. Raises ValueError when a cached block or
-        the partial block has an index outside [0, dim) (a geometry mismatch).
+        dim: moe_layers * experts of the model. Raises ValueError, before counting any hit
+        or miss, when the partial block or a cached block was encoded for another
+        dimension (a geometry mismatch).
         """
-        counts = np.zeros(dim, dtype=np.uint32)
+        if partial is not None and partial.dim != dim:
+            raise ValueError(f"partial block has dimension {partial.dim}, expected {dim}")
+        found: list[_Entry] = []
         missing: list[int] = []
-        found = 0
         for h in block_hashes:
-            block = self.get(model, h)
-            if block is None:
+            entry = self._entries.get((model, h))
+            if entry is None:
                 missing.append(h)
-                continue
-            _accumulate(counts, block, dim)
-            found += 1
+            elif entry.dim != dim:
+                raise ValueError(
+                    f"cached block {h:#x} of {model!r} has dimension {entry.dim}, expected {dim}"
+                )
+            else:
+                found.append(entry)
+        for h in block_hashes:
+            if (model, h) in self._entries:
+                self._entries.move_to_end((model, h))
+        self.hits += len(found)
+        self.misses += len(missing)
+        counts = np.zeros(dim, dtype=np.uint32)
+        for entry in found:
+            entry.add_to(counts)
         if partial is not None:
-            _accumulate(counts, partial, dim)
-        return Assembly(counts=counts, found=found, missing=tuple(missing))
+            _accumulate(counts, partial)
+        return Assembly(counts=counts, found=len(found), missing=tuple(missing))
 
 
-def _accumulate(counts: np.ndarray, block: SparseBlock, dim: int) -> None:
-    if block.idx.size == 0:
-        return
-    if int(block.idx.max()) >= dim:
-        raise ValueError(f"block index {int(block.idx.max())} outside signature dimension {dim}")
-    np.add.at(counts, block.idx.astype(np.intp), block.val.astype(np.uint32))
+def _accumulate(counts: np.ndarray, block: SparseBlock) -> None:
+    # SparseBlock guarantees unique in-range indices, so fancy-index += is exact (and an
+    # order of magnitude faster than np.add.at).
+    if block.idx.size:
+        counts[block.idx] += block.val

@@ -21,6 +21,9 @@ import numpy as np
 
 from eldr.core.costmodel import CostProfile
 from eldr.core.policies import FleetView, Policy
+from eldr.sim.worker import UnionCounter, flatten_decode_ids
+
+__all__ = ["SimConfig", "SimRequest", "SimResult", "flatten_decode_ids", "simulate"]
 
 
 @dataclass(frozen=True)
@@ -40,13 +43,6 @@ class SimRequest:
     @property
     def decode_tokens(self) -> int:
         return int(self.decode_flat.shape[0])
-
-
-def flatten_decode_ids(decode_ids: np.ndarray, num_experts: int) -> np.ndarray:
-    """[tokens, layers, top_k] expert ids -> [tokens, layers * top_k] layer-offset ids."""
-    tokens, layers, top_k = decode_ids.shape
-    offsets = (np.arange(layers, dtype=np.int32) * num_experts)[None, :, None]
-    return (decode_ids.astype(np.int32) + offsets).reshape(tokens, layers * top_k)
 
 
 @dataclass(frozen=True)
@@ -180,7 +176,7 @@ def simulate(
     batch_samples: list[int] = []
     imbalance: list[float] = []
     fallbacks: dict[str, int] = {}
-    seen = np.zeros(union_slots, dtype=bool)
+    union = UnionCounter(union_slots)
 
     events: list[tuple[float, int, int]] = []  # (time, tie-breaker, worker) step ends
     tie = 0
@@ -203,10 +199,7 @@ def simulate(
             for a, p in zip(wk.running, wk.running_pos, strict=True)
         ]
         ids = np.concatenate(rows) if len(rows) > 1 else rows[0]
-        # Distinct (layer, expert) pairs: mark them in a scratch mask, count, unmark.
-        seen[ids] = True
-        union_total = int(np.count_nonzero(seen))
-        seen[ids] = False
+        union_total = union.count(ids)  # distinct (layer, expert) pairs of the step
         dt = cost.step_time_s(union_total, float(wk.kv_tokens))
         if window_start <= now <= window_end:
             union_samples.append(union_total / num_moe_layers)

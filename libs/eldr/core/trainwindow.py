@@ -1,0 +1,323 @@
+"""The trainer's rolling training window and its view of the live decode workers.
+
+Training data arrives on two streams: each routing decision carries the request's prefill
+expert counts (the signature input), and each finished request's decode profile carries
+its decode expert counts. `TrainingWindow` joins the two by request id and keeps the most
+recent samples: at most `max_samples`, none older than `max_age_s`. A profile can arrive
+before its decision (the two streams are replayed independently at start), so profiles
+without a decision wait in a bounded side table until their decision arrives or they age
+out.
+
+`LiveWorkers` tracks which decode workers reported recently; those are the workers a
+refit gives clusters to. `pick_workers` chooses k of them when a refit asks for fewer.
+
+Counts are held sparse (flat indices and values, as they travel on the wire) and only
+densified, for one model and geometry, when a refit takes a `TrainingSet`. Times are
+seconds passed in by the caller; nothing here reads a clock.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SparseRow:
+    """A [num_moe_layers, num_experts] count matrix: flat row-major indices and values."""
+
+    shape: tuple[int, int]
+    idx: np.ndarray
+    val: np.ndarray
+
+    def __post_init__(self) -> None:
+        if self.idx.shape != self.val.shape or self.idx.ndim != 1:
+            raise ValueError(f"{self.idx.shape[0]} indices for {self.val.shape[0]} values")
+        if len(self.shape) != 2 or self.shape[0] <= 0 or self.shape[1] <= 0:
+            raise ValueError(f"shape must be [layers, experts], got {self.shape}")
+        if self.idx.size and int(self.idx.max()) >= self.shape[0] * self.shape[1]:
+            raise ValueError(f"an index is outside a {self.shape} matrix")
+
+    @classmethod
+    def from_dense(cls, counts: np.ndarray) -> SparseRow:
+        arr = np.asarray(counts)
+        if arr.ndim != 2:
+            raise ValueError(f"counts must be [layers, experts], got {arr.shape}")
+        flat = arr.reshape(-1)
+        idx = np.flatnonzero(flat).astype(np.uint32)
+        return cls((int(arr.shape[0]), int(arr.shape[1])), idx, flat[idx])
+
+    @property
+    def total(self) -> float:
+        return float(self.val.sum(dtype=np.float64))
+
+    def add_to(self, out: np.ndarray) -> None:
+        """Write the counts into a zeroed flat row `out` of length layers * experts."""
+        out[self.idx] = self.val
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One training request: its routing decision joined with its decode profile (if any)."""
+
+    request_id: str
+    model: str
+    worker_id: str
+    ts_s: float
+    prefill: SparseRow
+    decode: SparseRow | None = None
+
+
+@dataclass(frozen=True)
+class TrainingSet:
+    """Dense training matrices of one model and geometry (float32 [N, L * E] each).
+
+    `decode` rows of requests without a decode profile are zero (`has_profile` says which);
+    `decode` is None when no request in the set has one.
+    """
+
+    model: str
+    num_moe_layers: int
+    num_experts: int
+    request_ids: tuple[str, ...]
+    prefill: np.ndarray
+    decode: np.ndarray | None
+    has_profile: np.ndarray
+
+    @property
+    def n(self) -> int:
+        return len(self.request_ids)
+
+    @property
+    def n_with_profile(self) -> int:
+        return int(self.has_profile.sum())
+
+
+@dataclass(frozen=True)
+class WindowSnapshot:
+    """The samples of one model and geometry at one moment; densify off the event loop."""
+
+    model: str
+    shape: tuple[int, int]
+    samples: tuple[Sample, ...]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def training_set(self) -> TrainingSet:
+        L, E = self.shape
+        n = len(self.samples)
+        prefill = np.zeros((n, L * E), dtype=np.float32)
+        has_profile = np.zeros(n, dtype=bool)
+        for i, s in enumerate(self.samples):
+            s.prefill.add_to(prefill[i])
+            has_profile[i] = s.decode is not None
+        decode: np.ndarray | None = None
+        if has_profile.any():
+            decode = np.zeros((n, L * E), dtype=np.float32)
+            for i, s in enumerate(self.samples):
+                if s.decode is not None:
+                    s.decode.add_to(decode[i])
+        return TrainingSet(
+            model=self.model,
+            num_moe_layers=L,
+            num_experts=E,
+            request_ids=tuple(s.request_id for s in self.samples),
+            prefill=prefill,
+            decode=decode,
+            has_profile=has_profile,
+        )
+
+
+DecisionOutcome = Literal["added", "duplicate", "empty"]
+ProfileOutcome = Literal["joined", "waiting", "duplicate", "shape_mismatch"]
+
+
+@dataclass
+class WindowStats:
+    """What left the window other than by a caller's choice (counts since creation)."""
+
+    evicted_by_size: int = 0
+    evicted_by_age: int = 0
+    orphans_dropped: int = 0
+    """Profiles whose decision never arrived (aged out, or pushed out by newer ones)."""
+
+
+class TrainingWindow:
+    """A bounded, time-limited join of decisions and decode profiles by request id."""
+
+    def __init__(self, max_samples: int, max_age_s: float, max_orphans: int | None = None) -> None:
+        if max_samples < 1:
+            raise ValueError(f"max_samples must be >= 1, got {max_samples}")
+        if max_age_s <= 0:
+            raise ValueError(f"max_age_s must be positive, got {max_age_s}")
+        self.max_samples = max_samples
+        self.max_age_s = max_age_s
+        self.max_orphans = max_samples if max_orphans is None else max_orphans
+        # Insertion order is arrival order, which is (nearly) time order: eviction pops
+        # from the front.
+        self._samples: OrderedDict[str, Sample] = OrderedDict()
+        self._orphans: OrderedDict[str, tuple[float, SparseRow]] = OrderedDict()
+        self._with_profile = 0
+        self.added_total = 0
+        """Samples ever added (a refit compares it to skip an unchanged window)."""
+        self.stats = WindowStats()
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._samples
+
+    @property
+    def with_profile(self) -> int:
+        return self._with_profile
+
+    @property
+    def orphan_profiles(self) -> int:
+        return len(self._orphans)
+
+    def add_decision(
+        self, request_id: str, model: str, worker_id: str, prefill: SparseRow, ts_s: float
+    ) -> DecisionOutcome:
+        """Take a decision's prefill counts (a waiting profile of the request joins it).
+
+        "duplicate": the request is already in the window; "empty": no counts at all.
+        """
+        if request_id in self._samples:
+            return "duplicate"
+        if prefill.total <= 0:
+            return "empty"
+        decode: SparseRow | None = None
+        orphan = self._orphans.pop(request_id, None)
+        if orphan is not None and orphan[1].shape == prefill.shape:
+            decode = orphan[1]
+        self._samples[request_id] = Sample(request_id, model, worker_id, ts_s, prefill, decode)
+        self._with_profile += decode is not None
+        self.added_total += 1
+        while len(self._samples) > self.max_samples:
+            self._drop_oldest()
+            self.stats.evicted_by_size += 1
+        return "added"
+
+    def add_profile(self, request_id: str, decode: SparseRow, ts_s: float) -> ProfileOutcome:
+        """Attach decode counts to the request's sample.
+
+        "waiting": the decision has not arrived; the profile waits for it (bounded by
+        `max_orphans`, oldest dropped first, and by `max_age_s`). A waiting profile whose
+        geometry differs from its decision's is dropped when the decision arrives.
+        """
+        sample = self._samples.get(request_id)
+        if sample is None:
+            if request_id in self._orphans:
+                return "duplicate"
+            self._orphans[request_id] = (ts_s, decode)
+            while len(self._orphans) > self.max_orphans:
+                self._orphans.popitem(last=False)
+                self.stats.orphans_dropped += 1
+            return "waiting"
+        if sample.decode is not None:
+            return "duplicate"
+        if decode.shape != sample.prefill.shape:
+            return "shape_mismatch"
+        self._samples[request_id] = replace(sample, decode=decode)
+        self._with_profile += 1
+        return "joined"
+
+    def expire(self, now_s: float) -> int:
+        """Drop samples and waiting profiles older than `max_age_s`; returns samples dropped."""
+        horizon = now_s - self.max_age_s
+        dropped = 0
+        while self._samples:
+            oldest = next(iter(self._samples.values()))
+            if oldest.ts_s >= horizon:
+                break
+            self._drop_oldest()
+            dropped += 1
+        self.stats.evicted_by_age += dropped
+        while self._orphans:
+            ts_s, _ = next(iter(self._orphans.values()))
+            if ts_s >= horizon:
+                break
+            self._orphans.popitem(last=False)
+            self.stats.orphans_dropped += 1
+        return dropped
+
+    def _drop_oldest(self) -> None:
+        _, sample = self._samples.popitem(last=False)
+        self._with_profile -= sample.decode is not None
+
+    def groups(self) -> Counter[tuple[str, tuple[int, int]]]:
+        """Samples per (model, [layers, experts])."""
+        return Counter((s.model, s.prefill.shape) for s in self._samples.values())
+
+    def snapshot(self, model: str | None = None) -> WindowSnapshot | None:
+        """The samples of `model` (default: the model with most samples) in its most common
+        geometry; None when the window has none."""
+        groups = self.groups()
+        candidates = [(n, key) for key, n in groups.items() if model is None or key[0] == model]
+        if not candidates:
+            return None
+        # Most samples first; ties broken by name so the choice is deterministic.
+        _, (chosen_model, shape) = max(candidates, key=lambda c: (c[0], c[1][0], c[1][1]))
+        samples = tuple(
+            s
+            for s in self._samples.values()
+            if s.model == chosen_model and s.prefill.shape == shape
+        )
+        return WindowSnapshot(chosen_model, shape, samples)
+
+
+@dataclass
+class LiveWorkers:
+    """Decode workers that reported within `ttl_s`; a draining worker is not live."""
+
+    ttl_s: float
+    _last_s: dict[str, float] = field(default_factory=dict)
+    _draining: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if self.ttl_s <= 0:
+            raise ValueError(f"ttl_s must be positive, got {self.ttl_s}")
+
+    def on_report(self, worker_id: str, ts_s: float, *, draining: bool = False) -> None:
+        if ts_s < self._last_s.get(worker_id, -np.inf):
+            return  # an older report (replay overlapping live delivery)
+        self._last_s[worker_id] = ts_s
+        if draining:
+            self._draining.add(worker_id)
+        else:
+            self._draining.discard(worker_id)
+
+    def live(self, now_s: float) -> tuple[str, ...]:
+        """Live worker ids, sorted; forgets workers silent for more than `ttl_s`."""
+        horizon = now_s - self.ttl_s
+        for wid in [w for w, t in self._last_s.items() if t < horizon]:
+            del self._last_s[wid]
+            self._draining.discard(wid)
+        return tuple(sorted(w for w in self._last_s if w not in self._draining))
+
+
+def pick_workers(
+    live: Sequence[str], k: int | None, keep_first: Iterable[str] = ()
+) -> tuple[str, ...]:
+    """The workers a fit gives clusters to: all of `live` when k is None, else k of them.
+
+    When fewer than all are wanted, workers in `keep_first` (the previous partition's) are
+    preferred, so that a smaller refit moves less traffic; the rest by id. The result is
+    in id order. Raises ValueError when k exceeds the live workers.
+    """
+    ordered = sorted(set(live))
+    if k is None:
+        return tuple(ordered)
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if k > len(ordered):
+        raise ValueError(f"k={k} but only {len(ordered)} live decode worker(s)")
+    preferred = set(keep_first)
+    ranked = sorted(ordered, key=lambda w: (w not in preferred, w))
+    return tuple(sorted(ranked[:k]))

@@ -1,0 +1,408 @@
+"""Routing service: assigns each prefilled request a decode worker, exactly once.
+
+Inputs: PrefillDone events (JetStream, durable consumer shared by all replicas, at least
+once), load reports (core), every replica's decisions (to keep the fleet-wide load table),
+partition announcements. For each PrefillDone: fetch the signature (request/reply to the
+signature service, bounded wait), decide (`eldr.core.router`), commit the decision with
+"expected last subject sequence 0" on the request's decision subject (the first decision
+for a request id wins; a redelivery reads the committed one instead of deciding again),
+answer the requester, ack.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import zlib
+
+import numpy as np
+from prometheus_client import Counter, Gauge, Histogram
+
+from eldr.bus import (
+    ROUTER_CONSUMER,
+    AlreadyExists,
+    BusError,
+    BusTimeoutError,
+    Delivery,
+    NoRespondersError,
+    Retry,
+    build_topology,
+)
+from eldr.bus.topology import DECISIONS, PARTITIONS, PREFILL
+from eldr.core.loadtable import LoadTable, Report
+from eldr.core.policies import PolicySpec
+from eldr.core.router import FALLBACK_REASONS, NoLiveWorkersError, RouterCore, RouteRequest
+from eldr.partitions import partition_from_blob
+from eldr.runtime import ServiceContext, service_main
+from eldr.wire import (
+    AssembleReply,
+    AssembleRequest,
+    Decision,
+    LoadReport,
+    PartitionAnnouncement,
+    PartitionBlob,
+    PrefillDone,
+    RouterControl,
+    RouterControlReply,
+    SparseCounts,
+)
+
+from .settings import RouterSettings
+
+log = logging.getLogger(__name__)
+
+LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5)
+
+
+class RouterMetrics:
+    def __init__(self, ctx: ServiceContext[RouterSettings]) -> None:
+        r = ctx.registry
+        self.decisions = Counter(
+            "eldr_router_decisions_total",
+            "Decisions committed by this replica, by policy and fallback reason.",
+            ["policy", "fallback"],
+            registry=r,
+        )
+        self.decision_seconds = Histogram(
+            "eldr_router_decision_latency_seconds",
+            "From taking a PrefillDone to the committed decision.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.signature_seconds = Histogram(
+            "eldr_router_signature_fetch_seconds",
+            "Signature request/reply round trip.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.signature_outcomes = Counter(
+            "eldr_router_signature_fetches_total",
+            "Signature fetches by outcome (complete, partial, timeout, unavailable, error, "
+            "no_signature).",
+            ["outcome"],
+            registry=r,
+        )
+        self.already_decided = Counter(
+            "eldr_router_already_decided_total",
+            "Redelivered PrefillDone events answered with the decision committed earlier.",
+            registry=r,
+        )
+        self.no_live_workers = Counter(
+            "eldr_router_no_live_workers_total",
+            "PrefillDone events put back because no decode worker was live.",
+            registry=r,
+        )
+        self.live_workers = Gauge(
+            "eldr_router_live_workers", "Decode workers in the load table.", registry=r
+        )
+        self.partition_version = Gauge(
+            "eldr_router_partition_version", "Partition version in use (0: none).", registry=r
+        )
+        self.partition_loads = Counter(
+            "eldr_router_partition_loads_total",
+            "Partition versions loaded, by outcome (ok, error).",
+            ["outcome"],
+            registry=r,
+        )
+        self.load_reports = Counter(
+            "eldr_router_load_reports_total",
+            "Load reports applied (ok) or ignored as out of order (stale).",
+            ["outcome"],
+            registry=r,
+        )
+        # Pre-create the bounded label sets so dashboards see zeros.
+        for reason in ("none", *FALLBACK_REASONS):
+            self.decisions.labels(ctx.settings.policy, reason)
+
+
+class RouterService:
+    def __init__(self, ctx: ServiceContext[RouterSettings]) -> None:
+        self.ctx = ctx
+        s = ctx.settings
+        self.settings = s
+        self.bus = ctx.bus
+        self.subjects = ctx.bus.subjects
+        self.topology = build_topology(s.namespace, s)
+        self.metrics = RouterMetrics(ctx)
+        self.table = LoadTable(stale_after_s=s.stale_after_s, pending_ttl_s=s.pending_ttl_s)
+        self.core = RouterCore(
+            PolicySpec(name=s.policy, tau=s.tau, load_measure=s.load_measure),
+            self.table,
+            np.random.default_rng([s.seed, zlib.crc32(s.instance_id.encode())]),
+            max_scores=s.max_scores,
+        )
+        self._latest_announcement: tuple[int, PartitionAnnouncement] | None = None
+        self._loaded_seq = 0
+        self._partition_wakeup = asyncio.Event()
+        self._report_arrived = asyncio.Event()
+
+    # --- inputs besides PrefillDone ------------------------------------------------------
+
+    async def on_load_report(self, msg: LoadReport, _: Delivery) -> None:
+        applied = self.table.on_report(
+            Report(
+                worker_id=msg.worker_id,
+                incarnation=msg.incarnation,
+                seq=msg.seq,
+                running=msg.running,
+                waiting=msg.waiting,
+                kv_tokens=msg.kv_tokens,
+                kv_capacity_tokens=msg.kv_capacity_tokens,
+                admitted=tuple(msg.admitted),
+                draining=msg.draining,
+            ),
+            time.monotonic(),
+        )
+        self.metrics.load_reports.labels("ok" if applied else "stale").inc()
+        self._report_arrived.set()
+
+    async def on_decision(self, msg: Decision, _: Delivery) -> None:
+        # Every replica's decisions (ours included: setdefault makes that a no-op).
+        self.table.on_assignment(msg.worker_id, msg.request_id, 0, time.monotonic())
+
+    async def on_announcement(self, msg: PartitionAnnouncement, delivery: Delivery) -> None:
+        seq = delivery.stream_seq or 0
+        if self._latest_announcement is None or seq > self._latest_announcement[0]:
+            self._latest_announcement = (seq, msg)
+            self._partition_wakeup.set()
+
+    async def partition_loader(self) -> None:
+        """Load the newest announced partition off the request path, then swap it in."""
+        while not self.ctx.stopping.is_set():
+            await self._partition_wakeup.wait()
+            self._partition_wakeup.clear()
+            latest = self._latest_announcement
+            if latest is None or latest[0] <= self._loaded_seq:
+                continue
+            seq, ann = latest
+            try:
+                blob = await self.bus.object_get(
+                    self.topology.partitions_bucket,
+                    ann.object_name,
+                    PartitionBlob,
+                    expected_sha256=ann.sha256,
+                )
+                partition = await asyncio.to_thread(
+                    partition_from_blob, blob, self.settings.index_method
+                )
+            except (BusError, ValueError) as exc:
+                self.metrics.partition_loads.labels("error").inc()
+                log.error("could not load partition version %d: %s", ann.version, exc)
+                continue
+            self.core.set_partition(partition)
+            self._loaded_seq = seq
+            self.metrics.partition_loads.labels("ok").inc()
+            self.metrics.partition_version.set(partition.version)
+            log.info(
+                "router %s now routes with partition version %d (%d workers)",
+                self.settings.instance_id,
+                partition.version,
+                partition.k,
+            )
+
+    async def expire_loop(self) -> None:
+        period = min(0.25, self.settings.stale_after_s / 4)
+        while not self.ctx.stopping.is_set():
+            removed = self.table.expire(time.monotonic())
+            for wid in removed:
+                log.warning("decode worker %s went stale and left the load table", wid)
+            self.metrics.live_workers.set(len(self.table))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.ctx.stopping.wait(), timeout=period)
+
+    async def on_control(self, msg: RouterControl) -> RouterControlReply:
+        spec = self.core.spec
+        new = PolicySpec(
+            name=msg.policy or spec.name,
+            tau=spec.tau if msg.tau is None else msg.tau,
+            load_measure=msg.load_measure or spec.load_measure,  # type: ignore[arg-type]
+        )
+        self.core.set_policy(new)  # raises ValueError on a bad spec -> error reply
+        log.info("router %s switched to policy %s", self.settings.instance_id, new)
+        return RouterControlReply(
+            router_id=self.settings.instance_id,
+            policy=self.core.policy.name,
+            params=self.core.policy.params(),
+        )
+
+    # --- the request path ------------------------------------------------------------------
+
+    async def fetch_signature(self, msg: PrefillDone) -> tuple[np.ndarray | None, int, str | None]:
+        """(counts [L, E] or None, missing blocks, reason when None)."""
+        started = time.perf_counter()
+        counts: np.ndarray | None = None
+        missing = len(msg.block_hashes)
+        reason: str | None = None
+        try:
+            reply = await self.bus.request(
+                self.subjects.sig_assemble,
+                AssembleRequest(
+                    request_id=msg.request_id,
+                    model=msg.model,
+                    block_hashes=msg.block_hashes,
+                    partial=msg.partial,
+                    wait_ms=self.settings.assemble_wait_ms,
+                ),
+                AssembleReply,
+                timeout_s=self.settings.signature_timeout_s,
+            )
+        except BusTimeoutError:
+            reason = "signature_timeout"
+        except NoRespondersError:
+            reason = "signature_unavailable"
+        except BusError as exc:  # RemoteError included
+            log.warning("signature for %s failed: %s", msg.request_id, exc)
+            reason = "signature_error"
+        else:
+            missing = reply.blocks_total - reply.blocks_found
+            if reply.counts is None:
+                reason = "no_signature"
+            else:
+                counts = reply.counts.to_numpy()
+        self.metrics.signature_seconds.observe(time.perf_counter() - started)
+        if reason is None:
+            outcome = "complete" if missing == 0 else "partial"
+        else:
+            outcome = reason.removeprefix("signature_")
+        self.metrics.signature_outcomes.labels(outcome).inc()
+        return counts, missing, reason
+
+    async def on_prefill_done(self, msg: PrefillDone, delivery: Delivery) -> None:
+        taken = time.perf_counter()
+        subject = self.subjects.decision(msg.request_id)
+        if delivery.num_delivered > 1:
+            existing = await self.bus.get_last(self.decisions_stream, subject, Decision)
+            if existing is not None:
+                await self._answer(msg, existing, already=True)
+                return
+        counts: np.ndarray | None = None
+        missing = len(msg.block_hashes)
+        sig_error: str | None = "no_signature"
+        if not msg.block_hashes:
+            # A prompt shorter than one block: its partial block is the whole signature.
+            missing, sig_error = 0, None if msg.partial is not None else "empty_signature"
+            if msg.partial is not None:
+                counts = msg.partial.to_dense(np.uint32)
+        elif self.settings.fetch_signature or self.core.policy.uses_signature:
+            counts, missing, sig_error = await self.fetch_signature(msg)
+        request = RouteRequest(
+            request_id=msg.request_id,
+            model=msg.model,
+            prompt_tokens=msg.n_prompt_tokens,
+            counts=counts,
+            missing_blocks=missing,
+            signature_error=sig_error,
+        )
+        deadline = time.monotonic() + self.settings.no_worker_wait_s
+        while True:
+            try:
+                outcome = self.core.decide(request, time.monotonic())
+                break
+            except NoLiveWorkersError as exc:
+                # Hold the request while a worker may come back (every load report wakes
+                # us), then hand it back to JetStream for a later redelivery.
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self.metrics.no_live_workers.inc()
+                    raise Retry(str(exc), delay_s=self.settings.no_worker_retry_s) from exc
+                self._report_arrived.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._report_arrived.wait(), timeout=remaining)
+        decision = Decision(
+            request_id=msg.request_id,
+            ts_s=time.time(),
+            router_id=self.settings.instance_id,
+            model=msg.model,
+            worker_id=outcome.worker_id,
+            policy=outcome.policy,
+            params=outcome.params,
+            partition_version=outcome.partition_version,
+            fallback=outcome.fallback,
+            scores=list(outcome.scores),
+            band=list(outcome.band),
+            loads=list(outcome.loads),
+            signature=None if counts is None else SparseCounts.from_dense(counts),
+            missing_blocks=missing,
+            decide_s=time.perf_counter() - taken,
+        )
+        try:
+            await self.bus.js_publish(subject, decision, expected_last_subject_seq=0)
+        except AlreadyExists:
+            existing = await self.bus.get_last(self.decisions_stream, subject, Decision)
+            if existing is None:  # retention dropped it in between: decide again later
+                raise Retry("decision vanished after a conflict", delay_s=0.1) from None
+            await self._answer(msg, existing, already=True)
+            return
+        self.table.on_assignment(
+            decision.worker_id, msg.request_id, msg.n_prompt_tokens, time.monotonic()
+        )
+        self.metrics.decisions.labels(outcome.policy, outcome.fallback or "none").inc()
+        self.metrics.decision_seconds.observe(time.perf_counter() - taken)
+        await self._answer(msg, decision, already=False)
+
+    async def _answer(self, msg: PrefillDone, decision: Decision, *, already: bool) -> None:
+        if already:
+            self.metrics.already_decided.inc()
+            log.info(
+                "request %s was already decided (worker %s); answering with that",
+                msg.request_id,
+                decision.worker_id,
+            )
+        if msg.reply_to:
+            try:
+                await self.bus.publish(msg.reply_to, decision)
+            except BusError as exc:  # the decision is committed; the requester can read it
+                log.warning("could not answer %s for %s: %s", msg.reply_to, msg.request_id, exc)
+
+    @property
+    def decisions_stream(self) -> str:
+        return self.topology.stream_name(DECISIONS)
+
+
+async def setup(ctx: ServiceContext[RouterSettings]) -> None:
+    svc = RouterService(ctx)
+    bus, subjects, topo = ctx.bus, ctx.bus.subjects, svc.topology
+    await bus.subscribe(subjects.load_all, LoadReport, svc.on_load_report)
+    await bus.subscribe(subjects.decisions_all, Decision, svc.on_decision)
+    tasks = [
+        asyncio.create_task(svc.partition_loader(), name="partition-loader"),
+        asyncio.create_task(svc.expire_loop(), name="expire-loop"),
+    ]
+
+    async def stop_tasks() -> None:
+        svc._partition_wakeup.set()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    ctx.stack.push_async_callback(stop_tasks)
+    replay = await bus.replay(
+        topo.stream_name(PARTITIONS),
+        subjects.partition_active,
+        PartitionAnnouncement,
+        svc.on_announcement,
+    )
+    await replay.wait_caught_up(timeout_s=30)
+    await bus.serve(subjects.control_router, None, RouterControl, svc.on_control)
+    await bus.consume(
+        topo.stream_name(PREFILL),
+        ROUTER_CONSUMER,
+        PrefillDone,
+        svc.on_prefill_done,
+        batch=ctx.settings.consumer_batch,
+        max_concurrency=ctx.settings.max_concurrency,
+    )
+    ctx.set_ready()
+    log.info(
+        "router %s ready: policy %s tau %.3g load %s",
+        ctx.settings.instance_id,
+        ctx.settings.policy,
+        ctx.settings.tau,
+        ctx.settings.load_measure,
+    )
+
+
+def main() -> int:
+    return service_main("router", RouterSettings, setup)

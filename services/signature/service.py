@@ -1,0 +1,331 @@
+"""The signature service: caches per-KV-block expert counts and assembles request signatures.
+
+Each replica replays the BLOCKS stream from its start and then follows it live, so every
+replica holds every block its budget has room for (replicated, not partitioned: see
+docs/ARCHITECTURE.md, "Signature service: replication"). Only once the replay has caught up
+with the stream as it was at start does the replica join the `signature` queue group on
+`{ns}.sig.assemble` and report ready, so a cold replica never answers with blocks it has
+not read yet.
+
+An assembly whose blocks are not all cached may wait (up to `wait_ms`, capped by
+`max_wait_ms`) for them: a prefill worker publishes its block summaries just before its
+PrefillDone, so a request can overtake its own blocks. The wait is event-driven: the block
+handler wakes the waiters of each block it caches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from eldr.bus import SIGNATURE_QUEUE, Delivery, Replay, stream_name
+from eldr.bus.topology import BLOCKS
+from eldr.runtime import ServiceContext, service_main
+from eldr.signature_state import (
+    Outcome,
+    RejectReason,
+    SeqEvent,
+    SignatureState,
+)
+from eldr.wire import AssembleReply, AssembleRequest, BlockSummaryBatch
+
+from .settings import SignatureSettings
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "signature"
+
+ASSEMBLY_SECONDS_BUCKETS = (
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+)
+WAIT_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
+
+
+class SignatureMetrics:
+    """Counters and timings of the signature service (prefix `eldr_signature_`)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.batches_received = Counter(
+            "eldr_signature_batches_received_total",
+            "Block-summary batches received (valid messages, accepted or not).",
+            registry=registry,
+        )
+        self.blocks_received = Counter(
+            "eldr_signature_blocks_received_total",
+            "Block summaries received in accepted batches (new or already cached).",
+            registry=registry,
+        )
+        self.batches_rejected = Counter(
+            "eldr_signature_batches_rejected_total",
+            "Well-formed batches not cached, by reason (malformed ones are counted by "
+            "eldr_bus_messages_rejected_total and dead-lettered).",
+            ["reason"],
+            registry=registry,
+        )
+        for reason in RejectReason:
+            self.batches_rejected.labels(reason.value)
+        self.seq_gaps = Counter(
+            "eldr_signature_publisher_seq_gaps_total",
+            "Batches skipped in publishers' sequence numbers (lost, expired or malformed).",
+            registry=registry,
+        )
+        self.seq_duplicates = Counter(
+            "eldr_signature_publisher_seq_duplicates_total",
+            "Batches received again (sequence number not above the last; harmless).",
+            registry=registry,
+        )
+        self.publisher_restarts = Counter(
+            "eldr_signature_publisher_restarts_total",
+            "Publishers seen restarting their sequence at 0.",
+            registry=registry,
+        )
+        self.assemblies = Counter(
+            "eldr_signature_assemblies_total",
+            "Assemblies answered, by outcome (complete, partial, empty, error).",
+            ["outcome"],
+            registry=registry,
+        )
+        for outcome in Outcome:
+            self.assemblies.labels(outcome.value)
+        self.missing_blocks = Counter(
+            "eldr_signature_missing_blocks_total",
+            "Blocks requested by assemblies but not cached when answering.",
+            registry=registry,
+        )
+        self.wait_seconds = Histogram(
+            "eldr_signature_assembly_wait_seconds",
+            "Time assemblies waited for blocks in flight (only those that waited).",
+            registry=registry,
+            buckets=WAIT_SECONDS_BUCKETS,
+        )
+        self.assembly_seconds = Histogram(
+            "eldr_signature_assembly_duration_seconds",
+            "Time from taking an assemble request to having its reply (waiting included).",
+            registry=registry,
+            buckets=ASSEMBLY_SECONDS_BUCKETS,
+        )
+
+
+class _StateCollector:
+    """Cache size and counters read from the state at scrape time."""
+
+    def __init__(self, state: SignatureState, replay: Replay[BlockSummaryBatch] | None) -> None:
+        self._state = state
+        self.replay = replay
+
+    def describe(self) -> Iterable[Metric]:
+        return list(self._metrics())
+
+    def collect(self) -> Iterable[Metric]:
+        return list(self._metrics())
+
+    def _metrics(self) -> Iterator[Metric]:
+        state, cache = self._state, self._state.cache
+        yield GaugeMetricFamily(
+            "eldr_signature_cache_entries", "Block summaries cached.", value=len(cache)
+        )
+        yield GaugeMetricFamily(
+            "eldr_signature_cache_bytes",
+            "Bytes the cached summaries take (payload plus per-entry overhead).",
+            value=cache.bytes_used,
+        )
+        yield GaugeMetricFamily(
+            "eldr_signature_cache_max_bytes", "Byte budget of the cache.", value=cache.max_bytes
+        )
+        yield CounterMetricFamily(
+            "eldr_signature_cache_hits", "Block lookups that found the block.", value=cache.hits
+        )
+        yield CounterMetricFamily(
+            "eldr_signature_cache_misses",
+            "Block lookups that did not find the block.",
+            value=cache.misses,
+        )
+        yield CounterMetricFamily(
+            "eldr_signature_cache_evictions",
+            "Blocks evicted to stay within the byte budget.",
+            value=cache.evictions,
+        )
+        yield GaugeMetricFamily(
+            "eldr_signature_models", "Models with a known geometry.", value=len(state.geometries)
+        )
+        yield GaugeMetricFamily(
+            "eldr_signature_assemblies_waiting",
+            "Assemblies waiting now for blocks in flight.",
+            value=len(state.waiters),
+        )
+        replay = self.replay
+        yield GaugeMetricFamily(
+            "eldr_signature_replay_stream_seq",
+            "Last BLOCKS stream sequence this replica has read.",
+            value=replay.last_stream_seq if replay is not None else 0,
+        )
+        yield GaugeMetricFamily(
+            "eldr_signature_replay_caught_up",
+            "1 once the replay of BLOCKS has caught up with the stream as it was at start.",
+            value=1 if replay is not None and replay.caught_up.is_set() else 0,
+        )
+
+
+class Replica:
+    """The handlers of one replica and what they share."""
+
+    def __init__(self, settings: SignatureSettings, registry: CollectorRegistry) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.state = SignatureState(settings.cache_max_bytes, max_models=settings.max_models)
+        self.metrics = SignatureMetrics(registry)
+        self.collector = _StateCollector(self.state, None)
+        registry.register(self.collector)
+
+    async def on_batch(self, batch: BlockSummaryBatch, delivery: Delivery) -> None:
+        state, metrics = self.state, self.metrics
+        metrics.batches_received.inc()
+        result = state.ingest(batch)
+        if result.seq.event is SeqEvent.GAP:
+            metrics.seq_gaps.inc(result.seq.missed)
+            log.warning(
+                "blocks from %s: seq %d after a gap of %d batches (stream seq %s)",
+                batch.worker_id,
+                batch.seq,
+                result.seq.missed,
+                delivery.stream_seq,
+            )
+        elif result.seq.event is SeqEvent.DUPLICATE:
+            metrics.seq_duplicates.inc()
+            log.debug("blocks from %s: duplicate seq %d", batch.worker_id, batch.seq)
+        elif result.seq.event is SeqEvent.RESTART:
+            metrics.publisher_restarts.inc()
+            log.info("blocks from %s: publisher restarted (seq 0)", batch.worker_id)
+        if result.rejected is not None:
+            metrics.batches_rejected.labels(result.rejected.value).inc()
+            log.warning(
+                "blocks from %s seq %d (stream seq %s) rejected, %s: %s",
+                batch.worker_id,
+                batch.seq,
+                delivery.stream_seq,
+                result.rejected.value,
+                result.detail,
+            )
+            return
+        metrics.blocks_received.inc(result.blocks)
+
+    async def on_assemble(self, request: AssembleRequest) -> AssembleReply:
+        state, metrics = self.state, self.metrics
+        started = time.perf_counter()
+        wait_s = min(request.wait_ms, self.settings.max_wait_ms) / 1000.0
+        if wait_s > 0:
+            missing = state.missing_keys(request.model, request.block_hashes)
+            if missing:
+                waiter = state.waiters.register(missing)
+                try:
+                    await asyncio.wait_for(waiter.done.wait(), timeout=wait_s)
+                except TimeoutError:
+                    pass  # answer with what is there
+                finally:
+                    state.waiters.remove(waiter)
+                metrics.wait_seconds.observe(time.perf_counter() - started)
+        result = state.assemble(request)
+        metrics.assemblies.labels(result.outcome.value).inc()
+        if result.outcome is Outcome.ERROR:
+            log.warning("assemble %s: %s", request.request_id, result.reply.error)
+        else:
+            metrics.missing_blocks.inc(result.missing)
+            if result.missing:
+                log.debug(
+                    "assemble %s: %d of %d blocks missing",
+                    request.request_id,
+                    result.missing,
+                    len(request.block_hashes),
+                )
+        metrics.assembly_seconds.observe(time.perf_counter() - started)
+        return result.reply
+
+
+class SignatureService:
+    """`setup` is what `run_service` calls; `ready` is set once the replica serves."""
+
+    def __init__(self) -> None:
+        self.ready = asyncio.Event()
+        self.replica: Replica | None = None
+
+    async def setup(self, ctx: ServiceContext[SignatureSettings]) -> None:
+        settings = ctx.settings
+        replica = Replica(settings, ctx.registry)
+        self.replica = replica
+        bus = ctx.bus
+        blocks_stream = stream_name(settings.namespace, BLOCKS)
+        # Deliver-all from the stream's first message, then live ones: every replica
+        # rebuilds the same cache from the stream.
+        replay = await bus.replay(
+            blocks_stream, bus.subjects.blocks_all, BlockSummaryBatch, replica.on_batch
+        )
+        replica.collector.replay = replay
+        ctx.add_health_check("blocks_replay_caught_up", replay.caught_up.is_set)
+        log.info(
+            "signature %s replaying %s (cache budget %d bytes)",
+            settings.instance_id,
+            blocks_stream,
+            settings.cache_max_bytes,
+        )
+        if not await _first_of(replay.caught_up, ctx.stopping):
+            return
+        state = replica.state
+        log.info(
+            "signature %s caught up with %s at seq %d: %d blocks cached (%d bytes), %d models",
+            settings.instance_id,
+            blocks_stream,
+            replay.last_stream_seq,
+            len(state.cache),
+            state.cache.bytes_used,
+            len(state.geometries),
+        )
+        # Join the queue group only now, so no request reaches a replica still warming up.
+        await bus.serve(
+            bus.subjects.sig_assemble,
+            SIGNATURE_QUEUE,
+            AssembleRequest,
+            replica.on_assemble,
+            max_concurrency=settings.assemble_max_concurrency,
+        )
+        ctx.set_ready()
+        self.ready.set()
+
+
+async def _first_of(wanted: asyncio.Event, stop: asyncio.Event) -> bool:
+    """Wait until `wanted` or `stop` is set; True if `wanted` is."""
+    tasks = {asyncio.create_task(wanted.wait()), asyncio.create_task(stop.wait())}
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+    return wanted.is_set()
+
+
+async def setup(ctx: ServiceContext[SignatureSettings]) -> None:
+    """Wire a signature replica into a running service context."""
+    await SignatureService().setup(ctx)
+
+
+def main() -> int:
+    """`eldr serve signature`: settings from `ELDR_*`, run until SIGTERM/SIGINT."""
+    return service_main(SERVICE_NAME, SignatureSettings, setup)

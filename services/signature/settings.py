@@ -1,0 +1,39 @@
+"""Settings of the signature service (environment variables `ELDR_*`, flat)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from eldr.settings import CommonSettings
+from eldr.wire.base import MAX_WAIT_MS
+
+
+class SignatureSettings(CommonSettings):
+    """Block-cache budget and assembly limits, on top of the settings every service has."""
+
+    cache_max_bytes: int = Field(
+        default=256 << 20,
+        gt=0,
+        description="Byte budget of the block-summary cache (LRU beyond it). A 16-token "
+        "block's summary takes about 2 KB (24 MoE layers x 128 experts, top-1) to 6 KB "
+        "(48 x 128, top-8), so 256 MiB holds some 40,000-120,000 blocks.",
+    )
+    max_wait_ms: int = Field(
+        default=100,
+        ge=0,
+        le=MAX_WAIT_MS,
+        description="Cap on AssembleRequest.wait_ms: an assembly waits at most this long for "
+        "block summaries still in flight; requests asking more are capped. 0 never waits.",
+    )
+    max_models: int = Field(
+        default=256,
+        gt=0,
+        description="Distinct models whose geometry is remembered; batches of further models "
+        "are rejected (bounds memory against a misbehaving producer).",
+    )
+    assemble_max_concurrency: int = Field(
+        default=256,
+        gt=0,
+        description="Assemble requests handled at once by one replica (each waiting request "
+        "holds a slot); more queue in the NATS subscription.",
+    )

@@ -1,0 +1,429 @@
+"""The simulated decode workers of one process, in scaled real time.
+
+Each worker is an `eldr.sim.worker.BatchingWorker` driven by an asyncio task: while it has
+requests it plans a step, sleeps the step's cost-model duration times `time_scale`, and
+finishes the step. Steps are chained on a deadline (the next step starts when the previous
+one should have ended), so event-loop jitter does not accumulate into the simulated clock.
+
+Bus surface per worker: `DecodeJob` requests on `{ns}.sim.decode.{worker}` (answered at
+once), `LoadReport`s on `{ns}.load.{worker}` every report interval, a `DecodeProfile` on
+`{ns}.profiles.{worker}` per finished request, and a `SimStats` answer to every
+`SimStatsRequest` on `{ns}.sim.stats`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from eldr.bus import Bus, BusError
+from eldr.core.costmodel import CostProfile
+from eldr.sim.worker import BatchingWorker, FinishedRequest
+from eldr.wire import (
+    DecodeJob,
+    DecodeJobAck,
+    DecodeProfile,
+    LoadReport,
+    NdArray,
+    SimStats,
+    SimStatsRequest,
+    SparseCounts,
+    WireError,
+)
+from eldr.wire.base import MAX_ADMITTED
+
+log = logging.getLogger(__name__)
+
+UNION_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+STEP_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.2, 0.5)
+TPOT_BUCKETS_S = (0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
+
+
+class SimDecodeMetrics:
+    """`eldr_simdecode_*`; the worker label is bounded: a process hosts a configured set."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.steps = Counter(
+            "eldr_simdecode_steps_total", "Decode steps run.", ["worker"], registry=registry
+        )
+        self.union = Histogram(
+            "eldr_simdecode_step_union_experts",
+            "Distinct experts per MoE layer activated by one decode step's batch.",
+            ["worker"],
+            buckets=UNION_BUCKETS,
+            registry=registry,
+        )
+        self.batch = Histogram(
+            "eldr_simdecode_batch_size",
+            "Requests in one decode step.",
+            ["worker"],
+            buckets=BATCH_BUCKETS,
+            registry=registry,
+        )
+        self.step_seconds = Histogram(
+            "eldr_simdecode_step_seconds",
+            "Cost-model duration of one decode step (simulated seconds).",
+            ["worker"],
+            buckets=STEP_BUCKETS_S,
+            registry=registry,
+        )
+        self.tpot_seconds = Histogram(
+            "eldr_simdecode_tpot_seconds",
+            "Time per output token of a finished request, queueing included (simulated s).",
+            ["worker"],
+            buckets=TPOT_BUCKETS_S,
+            registry=registry,
+        )
+        self.finished = Counter(
+            "eldr_simdecode_finished_total", "Requests finished.", ["worker"], registry=registry
+        )
+        self.jobs = Counter(
+            "eldr_simdecode_jobs_total",
+            "DecodeJobs received, by outcome (accepted, draining, wrong_worker, invalid).",
+            ["worker", "outcome"],
+            registry=registry,
+        )
+        self.abandoned = Counter(
+            "eldr_simdecode_abandoned_total",
+            "Accepted requests dropped unfinished at shutdown.",
+            ["worker"],
+            registry=registry,
+        )
+        self.running = Gauge(
+            "eldr_simdecode_running", "Requests decoding now.", ["worker"], registry=registry
+        )
+        self.waiting = Gauge(
+            "eldr_simdecode_waiting",
+            "Accepted requests waiting for a batch slot.",
+            ["worker"],
+            registry=registry,
+        )
+        self.kv_tokens = Gauge(
+            "eldr_simdecode_kv_tokens", "KV-cache tokens held.", ["worker"], registry=registry
+        )
+        self.profiles_dropped = Counter(
+            "eldr_simdecode_profiles_dropped_total",
+            "DecodeProfiles not published (queue full or publish failed).",
+            ["reason"],
+            registry=registry,
+        )
+        self.reports = Counter(
+            "eldr_simdecode_load_reports_total",
+            "LoadReports published.",
+            registry=registry,
+        )
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    """What the host needs from the settings (kept separate so tests build it directly)."""
+
+    worker_ids: tuple[str, ...]
+    cost: CostProfile
+    num_experts: int
+    time_scale: float = 1.0
+    max_batch: int = 64
+    kv_capacity_tokens: int = 1_000_000
+    report_interval_s: float = 0.1
+    drain_grace_s: float = 5.0
+    profile_queue: int = 10_000
+
+
+@dataclass
+class _Live:
+    """One worker's state plus what the bus side needs around it."""
+
+    state: BatchingWorker
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    admitted_now: list[str] = field(default_factory=list)
+    admitted_before: list[str] = field(default_factory=list)
+    seq: int = 0
+    deadline_s: float = 0.0
+    """Monotonic time at which the current step should end."""
+    task: asyncio.Task[None] | None = None
+
+
+class SimDecodeHost:
+    """The workers of one process; `start()` wires them to the bus, `drain()` stops them."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        config: HostConfig,
+        metrics: SimDecodeMetrics,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.bus = bus
+        self.config = config
+        self.metrics = metrics
+        self.incarnation = uuid.uuid4().hex
+        self.draining = False
+        self._clock = clock
+        self._wall = wall_clock
+        self._workers: dict[str, _Live] = {
+            wid: _Live(
+                BatchingWorker(
+                    wid,
+                    config.cost,
+                    num_experts=config.num_experts,
+                    max_batch=config.max_batch,
+                    kv_capacity_tokens=config.kv_capacity_tokens,
+                )
+            )
+            for wid in config.worker_ids
+        }
+        self._profiles: asyncio.Queue[tuple[str, FinishedRequest]] = asyncio.Queue(
+            maxsize=config.profile_queue
+        )
+        self._report_task: asyncio.Task[None] | None = None
+        self._profile_task: asyncio.Task[None] | None = None
+
+    @property
+    def worker_ids(self) -> tuple[str, ...]:
+        return self.config.worker_ids
+
+    def worker(self, worker_id: str) -> BatchingWorker:
+        return self._workers[worker_id].state
+
+    def _sim_now(self) -> float:
+        return self._clock() / self.config.time_scale
+
+    # --- lifecycle --------------------------------------------------------------------
+
+    async def start(self) -> None:
+        subjects = self.bus.subjects
+        for wid, live in self._workers.items():
+            await self.bus.serve(subjects.sim_decode(wid), None, DecodeJob, self._job_handler(wid))
+            await self.bus.serve(
+                subjects.sim_stats, None, SimStatsRequest, self._stats_handler(wid)
+            )
+            live.task = asyncio.create_task(self._step_loop(wid, live), name=f"simdecode {wid}")
+        self._report_task = asyncio.create_task(self._report_loop(), name="simdecode reports")
+        self._profile_task = asyncio.create_task(self._profile_loop(), name="simdecode profiles")
+        log.info(
+            "simdecode hosting %d workers (%s), profile %s, time scale %g, incarnation %s",
+            len(self._workers),
+            ", ".join(self._workers),
+            self.config.cost.name,
+            self.config.time_scale,
+            self.incarnation,
+        )
+
+    async def drain(self) -> int:
+        """Refuse new jobs, tell the routers (a draining report), let accepted requests
+        decode for up to `drain_grace_s`, abandon the rest, publish the final reports and
+        the pending profiles. Returns the number of requests abandoned."""
+        self.draining = True
+        await self._publish_reports()
+        deadline = self._clock() + self.config.drain_grace_s
+        while any(not live.state.idle for live in self._workers.values()):
+            remaining = deadline - self._clock()
+            if remaining <= 0:
+                break
+            await asyncio.sleep(min(remaining, 0.01))
+        abandoned = 0
+        for wid, live in self._workers.items():
+            if live.task is not None:
+                live.task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await live.task
+                live.task = None
+            dropped = live.state.abandon()
+            if dropped:
+                abandoned += len(dropped)
+                self.metrics.abandoned.labels(wid).inc(len(dropped))
+                log.warning(
+                    "simdecode %s: abandoned %d unfinished requests at shutdown (e.g. %s)",
+                    wid,
+                    len(dropped),
+                    dropped[0],
+                )
+            self._update_gauges(wid, live.state)
+        if self._report_task is not None:
+            self._report_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._report_task
+            self._report_task = None
+        await self._publish_reports()
+        if self._profile_task is not None:
+            # Publish what finished during the grace period, then stop.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._profiles.join(), timeout=5.0)
+            self._profile_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._profile_task
+            self._profile_task = None
+        log.info("simdecode drained (%d requests abandoned)", abandoned)
+        return abandoned
+
+    # --- handlers ---------------------------------------------------------------------
+
+    def _job_handler(self, wid: str) -> Callable[[DecodeJob], Awaitable[DecodeJobAck]]:
+        async def handle(job: DecodeJob) -> DecodeJobAck:
+            return self.submit(wid, job)
+
+        return handle
+
+    def submit(self, wid: str, job: DecodeJob) -> DecodeJobAck:
+        """Accept or refuse one job for worker `wid` (what the job handler answers)."""
+        live = self._workers[wid]
+        if self.draining:
+            self.metrics.jobs.labels(wid, "draining").inc()
+            return DecodeJobAck(request_id=job.request_id, accepted=False, reason="draining")
+        if job.worker_id != wid:
+            self.metrics.jobs.labels(wid, "wrong_worker").inc()
+            return DecodeJobAck(
+                request_id=job.request_id,
+                accepted=False,
+                reason=f"job addressed to {job.worker_id} arrived at {wid}",
+            )
+        reason = live.state.submit(
+            job.request_id,
+            job.decode_ids.to_numpy(),
+            self._sim_now(),
+            prompt_tokens=job.prompt_tokens,
+            label=job.label,
+        )
+        if reason is not None:
+            self.metrics.jobs.labels(wid, "invalid").inc()
+            log.warning("simdecode %s refused %s: %s", wid, job.request_id, reason)
+            return DecodeJobAck(request_id=job.request_id, accepted=False, reason=reason)
+        self.metrics.jobs.labels(wid, "accepted").inc()
+        live.admitted_now.append(job.request_id)
+        self._update_gauges(wid, live.state)
+        live.wake.set()
+        return DecodeJobAck(request_id=job.request_id, accepted=True)
+
+    def _stats_handler(self, wid: str) -> Callable[[SimStatsRequest], Awaitable[SimStats]]:
+        async def handle(request: SimStatsRequest) -> SimStats:
+            return self.stats(wid, reset=request.reset)
+
+        return handle
+
+    def stats(self, wid: str, *, reset: bool = False) -> SimStats:
+        state = self._workers[wid].state
+        s = state.stats
+        reply = SimStats(
+            worker_id=wid,
+            steps=s.steps,
+            union_per_layer_sum=s.union_per_layer_sum,
+            batch_sum=s.batch_sum,
+            finished=s.finished,
+            tpot_s=NdArray.from_numpy(np.asarray(s.tpot_s, dtype=np.float32)),
+            running=len(state.running),
+            waiting=len(state.waiting),
+        )
+        if reset:
+            state.reset_stats()
+        return reply
+
+    # --- loops ------------------------------------------------------------------------
+
+    async def _step_loop(self, wid: str, live: _Live) -> None:
+        state = live.state
+        scale = self.config.time_scale
+        m = self.metrics
+        while True:
+            now = self._clock()
+            if live.deadline_s < now:
+                live.deadline_s = now  # idle (or late): the simulated clock restarts here
+            plan = state.start_step(live.deadline_s / scale)
+            if plan is None:
+                live.wake.clear()
+                self._update_gauges(wid, state)
+                await live.wake.wait()
+                continue
+            live.deadline_s += plan.duration_s * scale
+            m.steps.labels(wid).inc()
+            m.union.labels(wid).observe(plan.union_per_layer)
+            m.batch.labels(wid).observe(plan.batch_size)
+            m.step_seconds.labels(wid).observe(plan.duration_s)
+            await asyncio.sleep(max(0.0, live.deadline_s - self._clock()))
+            for done in state.finish_step(plan, live.deadline_s / scale):
+                m.finished.labels(wid).inc()
+                m.tpot_seconds.labels(wid).observe(done.tpot_s)
+                try:
+                    self._profiles.put_nowait((wid, done))
+                except asyncio.QueueFull:
+                    m.profiles_dropped.labels("queue_full").inc()
+            self._update_gauges(wid, state)
+
+    def _update_gauges(self, wid: str, state: BatchingWorker) -> None:
+        self.metrics.running.labels(wid).set(len(state.running))
+        self.metrics.waiting.labels(wid).set(len(state.waiting))
+        self.metrics.kv_tokens.labels(wid).set(state.kv_tokens)
+
+    def load_report(self, wid: str) -> LoadReport:
+        """The worker's next LoadReport; rotates its admitted-id window."""
+        live = self._workers[wid]
+        state = live.state
+        # Ids of this interval and the previous one: one lost report loses no id.
+        admitted = (live.admitted_before + live.admitted_now)[-MAX_ADMITTED:]
+        live.admitted_before, live.admitted_now = live.admitted_now, []
+        report = LoadReport(
+            worker_id=wid,
+            incarnation=self.incarnation,
+            seq=live.seq,
+            ts_s=self._wall(),
+            running=len(state.running),
+            waiting=len(state.waiting),
+            kv_tokens=state.kv_tokens,
+            kv_capacity_tokens=self.config.kv_capacity_tokens,
+            admitted=admitted,
+            draining=self.draining,
+        )
+        live.seq += 1
+        return report
+
+    async def _publish_reports(self) -> None:
+        for wid in self._workers:
+            report = self.load_report(wid)
+            try:
+                await self.bus.publish(self.bus.subjects.load(wid), report)
+                self.metrics.reports.inc()
+            except BusError as exc:
+                log.warning("simdecode %s: load report %d not sent: %s", wid, report.seq, exc)
+
+    async def _report_loop(self) -> None:
+        interval = self.config.report_interval_s
+        next_s = self._clock()
+        while True:
+            await self._publish_reports()
+            next_s = max(next_s + interval, self._clock())
+            await asyncio.sleep(next_s - self._clock())
+
+    async def _profile_loop(self) -> None:
+        while True:
+            wid, done = await self._profiles.get()
+            try:
+                await self._publish_profile(wid, done)
+            finally:
+                self._profiles.task_done()
+
+    async def _publish_profile(self, wid: str, done: FinishedRequest) -> None:
+        try:
+            profile = DecodeProfile(
+                request_id=done.request_id,
+                worker_id=wid,
+                ts_s=self._wall(),
+                tokens=done.decode_tokens,
+                counts=SparseCounts.from_dense(done.decode_counts),
+                tpot_s=done.tpot_s,
+            )
+            await self.bus.js_publish(
+                self.bus.subjects.profiles(wid), profile, msg_id=f"profile-{done.request_id}"
+            )
+        except (BusError, WireError) as exc:
+            self.metrics.profiles_dropped.labels("publish_failed").inc()
+            log.warning("simdecode %s: profile of %s not published: %s", wid, done.request_id, exc)

@@ -1,0 +1,68 @@
+"""`eldr serve simdecode`: simulated decode workers for development and tests.
+
+Wiring only: settings -> cost profile -> `SimDecodeHost` (services/simdecode/host.py), whose
+batching logic is the pure `eldr.sim.worker.BatchingWorker`. On stop (an `on_stopping`
+callback, run while still connected): refuse new jobs and publish a draining report, let
+accepted requests finish for `simdecode_drain_grace_s`, abandon the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from eldr.data.profiles import load_catalog
+from eldr.runtime import ServiceContext, run_service, service_main
+
+from .host import HostConfig, SimDecodeHost, SimDecodeMetrics
+from .settings import SimDecodeSettings
+
+NAME = "simdecode"
+
+
+def host_config(settings: SimDecodeSettings) -> HostConfig:
+    cost = load_catalog(settings.simdecode_profiles_file).get(settings.simdecode_profile)
+    return HostConfig(
+        worker_ids=tuple(settings.worker_ids()),
+        cost=cost,
+        num_experts=settings.simdecode_num_experts or cost.model.num_experts,
+        time_scale=settings.simdecode_time_scale,
+        max_batch=settings.simdecode_max_batch,
+        kv_capacity_tokens=settings.simdecode_kv_capacity_tokens,
+        report_interval_s=settings.simdecode_report_interval_s,
+        drain_grace_s=settings.simdecode_drain_grace_s,
+        profile_queue=settings.simdecode_profile_queue,
+    )
+
+
+async def setup(ctx: ServiceContext[SimDecodeSettings]) -> None:
+    host = SimDecodeHost(ctx.bus, host_config(ctx.settings), SimDecodeMetrics(ctx.registry))
+    await host.start()
+
+    async def drain() -> None:
+        await host.drain()
+
+    ctx.on_stopping(drain)
+    ctx.set_ready()
+
+
+async def serve(
+    settings: SimDecodeSettings,
+    *,
+    stop: asyncio.Event | None = None,
+    ready: asyncio.Event | None = None,
+    install_signal_handlers: bool = True,
+) -> None:
+    """Run until `stop` is set (tests) or SIGTERM/SIGINT, then drain; `ready` is set
+    once the workers serve."""
+    await run_service(
+        NAME,
+        settings,
+        setup,
+        stop=stop,
+        ready=ready,
+        install_signal_handlers=install_signal_handlers,
+    )
+
+
+def main() -> int:
+    return service_main(NAME, SimDecodeSettings, setup)

@@ -1,0 +1,168 @@
+"""`eldr serve simprefill`: a simulated prefill worker + gateway replaying traces forever.
+
+A thin shell over `eldr.dev.replayer.TraceReplayer`: load or generate the traces, replay
+them in rounds at the configured rate, log each round's summary and count its outcomes.
+On stop (an `on_stopping` callback, run while still connected): stop starting requests, let
+those in flight get their decision and job, then disconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from eldr.core.synthetic import SyntheticSpec, generate
+from eldr.core.trace import TraceSet
+from eldr.data.traces import load_trace_dir
+from eldr.dev.replayer import ReplayConfig, ReplaySummary, TraceReplayer
+from eldr.runtime import ServiceContext, run_service, service_main
+
+from .settings import SimPrefillSettings
+
+log = logging.getLogger(__name__)
+
+NAME = "simprefill"
+LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0)
+
+
+class SimPrefillMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "eldr_simprefill_requests_total",
+            "Replayed requests by outcome (decided, recovered, lost, error).",
+            ["outcome"],
+            registry=registry,
+        )
+        self.latency = Histogram(
+            "eldr_simprefill_decision_latency_seconds",
+            "PrefillDone publish -> Decision on the reply inbox.",
+            buckets=LATENCY_BUCKETS_S,
+            registry=registry,
+        )
+        self.blocks = Counter(
+            "eldr_simprefill_blocks_published_total",
+            "Block summaries published (each distinct block once).",
+            registry=registry,
+        )
+
+    def observe(self, replayer: TraceReplayer, summary: ReplaySummary) -> None:
+        for record in replayer.records:
+            if record.decision_latency_s is not None:
+                self.latency.observe(record.decision_latency_s)
+        self.requests.labels("decided").inc(summary.decided - summary.recovered)
+        self.requests.labels("recovered").inc(summary.recovered)
+        self.requests.labels("lost").inc(summary.lost)
+        self.requests.labels("error").inc(summary.errors - summary.lost)
+        self.blocks.inc(summary.blocks_published)
+
+
+def load_traces(settings: SimPrefillSettings) -> TraceSet:
+    if settings.simprefill_traces_dir is not None:
+        return load_trace_dir(
+            settings.simprefill_traces_dir, num_experts=settings.simprefill_num_experts
+        )
+    spec = SyntheticSpec(
+        num_topics=settings.simprefill_synthetic_topics,
+        num_moe_layers=settings.simprefill_synthetic_layers,
+        num_experts=settings.simprefill_synthetic_experts,
+        top_k=settings.simprefill_synthetic_top_k,
+        block_size=settings.simprefill_block_size,
+    )
+    rng = np.random.default_rng(settings.simprefill_seed)
+    return generate(spec, settings.simprefill_synthetic_requests, rng, id_prefix="simprefill")
+
+
+def replay_config(settings: SimPrefillSettings) -> ReplayConfig:
+    rate = settings.simprefill_rate_per_s
+    return ReplayConfig(
+        prefill_worker=settings.simprefill_worker_id,
+        model=settings.simprefill_model,
+        block_size=settings.simprefill_block_size,
+        rate_per_s=rate if rate > 0 else None,
+        seed=settings.simprefill_seed,
+        decision_timeout_s=settings.simprefill_decision_timeout_s,
+        job_timeout_s=settings.simprefill_job_timeout_s,
+        send_jobs=settings.simprefill_send_jobs,
+        max_in_flight=settings.simprefill_max_in_flight,
+    )
+
+
+async def replay_forever(
+    replayer: TraceReplayer, settings: SimPrefillSettings, metrics: SimPrefillMetrics
+) -> None:
+    remaining = settings.simprefill_count or None
+    while remaining is None or remaining > 0:
+        n = (
+            settings.simprefill_round
+            if remaining is None
+            else min(remaining, settings.simprefill_round)
+        )
+        summary = await replayer.run(n)
+        metrics.observe(replayer, summary)
+        log.info(
+            "simprefill round: %d sent, %d decided (%d from the stream), %d lost, "
+            "p50 %.2f ms, p99 %.2f ms, %d errors",
+            summary.sent,
+            summary.decided,
+            summary.recovered,
+            summary.lost,
+            summary.latency_p50_ms,
+            summary.latency_p99_ms,
+            summary.errors,
+        )
+        if remaining is not None:
+            remaining -= n
+        if len(replayer.records) < n:
+            return  # asked to stop
+    log.info("simprefill replayed its %d requests; idle", settings.simprefill_count)
+
+
+async def setup(ctx: ServiceContext[SimPrefillSettings]) -> None:
+    settings = ctx.settings
+    traces = await asyncio.to_thread(load_traces, settings)
+    log.info("simprefill replaying %d traces from %s", len(traces), traces.source)
+    replayer = TraceReplayer(ctx.bus, traces, replay_config(settings))
+    await replayer.start()
+    metrics = SimPrefillMetrics(ctx.registry)
+    task = asyncio.create_task(replay_forever(replayer, settings, metrics), name="simprefill")
+
+    def report_crash(done: asyncio.Task[None]) -> None:
+        if not done.cancelled() and done.exception() is not None:
+            log.error("simprefill replay stopped: %r", done.exception())
+            ctx.set_ready(False)
+
+    task.add_done_callback(report_crash)
+    ctx.set_ready()
+
+    async def drain() -> None:
+        replayer.request_stop()
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await task  # a crash was logged by report_crash
+        await replayer.close()
+
+    ctx.on_stopping(drain)
+
+
+async def serve(
+    settings: SimPrefillSettings,
+    *,
+    stop: asyncio.Event | None = None,
+    ready: asyncio.Event | None = None,
+    install_signal_handlers: bool = True,
+) -> None:
+    await run_service(
+        NAME,
+        settings,
+        setup,
+        stop=stop,
+        ready=ready,
+        install_signal_handlers=install_signal_handlers,
+    )
+
+
+def main() -> int:
+    return service_main(NAME, SimPrefillSettings, setup)

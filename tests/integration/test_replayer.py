@@ -1,0 +1,344 @@
+"""The trace replayer (simulated prefill worker + gateway) against a real nats-server.
+
+`StandInRouter` below is NOT the routing service: it is a test double that consumes
+PrefillDone events through the routers' durable consumer and answers with a round-robin
+Decision, so the replayer's side of the contract can be checked on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+
+from eldr.bus import ROUTER_CONSUMER, Bus, Delivery, Topology, apply_topology, stream_name
+from eldr.bus.topology import BLOCKS, PREFILL
+from eldr.core.blocks import hash_chain, trace_token_ids
+from eldr.core.synthetic import SyntheticSpec, generate
+from eldr.core.trace import TraceSet, expert_counts
+from eldr.dev.replayer import ReplayConfig, TraceReplayer
+from eldr.settings import BusSettings, RetentionSettings
+from eldr.wire import (
+    BlockSummaryBatch,
+    Decision,
+    DecodeJob,
+    DecodeJobAck,
+    LoadReport,
+    PrefillDone,
+    SparseCounts,
+)
+from eldr_services.simdecode.service import serve
+from eldr_services.simdecode.settings import SimDecodeSettings
+
+pytestmark = pytest.mark.integration
+
+WAIT_S = 10.0
+WORKERS = ("dA", "dB")
+BLOCK = 4
+SPEC = SyntheticSpec(
+    num_topics=2,
+    num_moe_layers=3,
+    num_experts=8,
+    top_k=2,
+    prompt_len_range=(1, 9),
+    decode_len_range=(2, 4),
+    shared_prefix_blocks=2,
+    block_size=BLOCK,
+)
+
+
+@pytest.fixture(autouse=True)
+async def streams(bus: Bus, topology: Topology) -> None:
+    """The namespace's streams and the routers' consumer (services apply them at start)."""
+    await apply_topology(bus, topology)
+
+
+@pytest.fixture(scope="module")
+def traces() -> TraceSet:
+    return generate(SPEC, 12, np.random.default_rng(7))
+
+
+def dense(counts: SparseCounts) -> np.ndarray:
+    out = np.zeros(counts.shape[0] * counts.shape[1], dtype=np.int64)
+    out[counts.indices()] = counts.values()
+    return out.reshape(counts.shape)
+
+
+class StandInRouter:
+    """Test double for the router: round-robin decisions, first write wins."""
+
+    def __init__(self, bus: Bus, *, reply: bool = True, reply_twice: bool = False) -> None:
+        self.bus = bus
+        self.reply = reply
+        self.reply_twice = reply_twice
+        self.events: list[PrefillDone] = []
+        self._next = itertools.cycle(WORKERS)
+        self._arrived = asyncio.Condition()
+
+    async def start(self) -> None:
+        await self.bus.consume(
+            stream_name(self.bus.settings.namespace, PREFILL),
+            ROUTER_CONSUMER,
+            PrefillDone,
+            self.handle,
+        )
+
+    async def wait_events(self, n: int) -> None:
+        async def reached() -> None:
+            async with self._arrived:
+                await self._arrived.wait_for(lambda: len(self.events) >= n)
+
+        await asyncio.wait_for(reached(), timeout=WAIT_S)
+
+    async def handle(self, event: PrefillDone, _: Delivery) -> None:
+        async with self._arrived:
+            self.events.append(event)
+            self._arrived.notify_all()
+        decision = Decision(
+            request_id=event.request_id,
+            ts_s=time.time(),
+            router_id="stand-in",
+            model=event.model,
+            worker_id=next(self._next),
+            policy="round_robin",
+            params={},
+            partition_version=None,
+            fallback=None,
+            scores=[],
+            band=[],
+            loads=[],
+            signature=None,
+            missing_blocks=0,
+            decide_s=0.0,
+        )
+        await self.bus.js_publish(
+            self.bus.subjects.decision(event.request_id), decision, expected_last_subject_seq=0
+        )
+        if self.reply and event.reply_to:
+            for _ in range(2 if self.reply_twice else 1):
+                await self.bus.publish(event.reply_to, decision)
+
+
+@pytest.fixture
+async def simdecode(bus_settings: BusSettings, retention: RetentionSettings) -> AsyncIterator[None]:
+    settings = SimDecodeSettings(
+        **bus_settings.model_dump(),
+        **retention.model_dump(),
+        instance_id="simdecode-test",
+        simdecode_workers=",".join(WORKERS),
+        simdecode_num_experts=SPEC.num_experts,
+        simdecode_time_scale=0.01,
+        simdecode_report_interval_s=0.05,
+    )
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(
+        serve(settings, stop=stop, ready=ready, install_signal_handlers=False)
+    )
+    await asyncio.wait_for(ready.wait(), timeout=WAIT_S)
+    yield
+    stop.set()
+    await asyncio.wait_for(task, timeout=WAIT_S)
+
+
+def config(**overrides: object) -> ReplayConfig:
+    fields: dict[str, object] = {
+        "prefill_worker": "p0",
+        "block_size": BLOCK,
+        "rate_per_s": None,
+        "seed": 1,
+        "decision_timeout_s": 5.0,
+        "send_jobs": False,
+    }
+    fields.update(overrides)
+    return ReplayConfig(**fields)  # type: ignore[arg-type]
+
+
+async def published_batches(bus: Bus) -> list[BlockSummaryBatch]:
+    batches: list[BlockSummaryBatch] = []
+
+    async def keep(batch: BlockSummaryBatch, _: Delivery) -> None:
+        batches.append(batch)
+
+    replay = await bus.replay(
+        stream_name(bus.settings.namespace, BLOCKS),
+        bus.subjects.blocks("p0"),
+        BlockSummaryBatch,
+        keep,
+        stop_at_end=True,
+    )
+    await replay.wait_caught_up(WAIT_S)
+    return batches
+
+
+async def test_blocks_are_published_once_each_with_the_requests_hashes(
+    bus: Bus, traces: TraceSet
+) -> None:
+    router = StandInRouter(bus)
+    await router.start()
+    async with TraceReplayer(bus, traces, config()) as replayer:
+        summary = await replayer.run(30)
+    assert summary.decided == 30
+    batches = await published_batches(bus)
+    hashes = [b.block_hash for batch in batches for b in batch.blocks]
+    assert len(hashes) == len(set(hashes)), "a cached block was published again"
+    expected: set[int] = set()
+    for record in replayer.records:
+        trace = traces.traces[record.trace_index]
+        expected |= set(hash_chain(trace_token_ids(trace), BLOCK))
+    assert set(hashes) == expected
+    assert [batch.seq for batch in batches] == list(range(len(batches)))
+    # 30 requests over 12 traces of 2 topics: the shared prefixes were served from "cache".
+    assert summary.blocks_published < sum(
+        traces.traces[r.trace_index].prompt_tokens // BLOCK for r in replayer.records
+    )
+
+
+async def test_prefill_done_carries_hashes_partial_inbox_and_label(
+    bus: Bus, traces: TraceSet
+) -> None:
+    router = StandInRouter(bus)
+    await router.start()
+    async with TraceReplayer(bus, traces, config()) as replayer:
+        await replayer.run(10)
+        inbox = replayer.inbox
+        records = {r.request_id: r for r in replayer.records}
+    assert sorted(e.request_id for e in router.events) == sorted(records)
+    for event in router.events:
+        trace = traces.traces[records[event.request_id].trace_index]
+        tokens = trace_token_ids(trace)
+        assert event.block_hashes == hash_chain(tokens, BLOCK)
+        assert event.n_prompt_tokens == trace.prompt_tokens
+        n_full = trace.prompt_tokens // BLOCK * BLOCK
+        if n_full == trace.prompt_tokens:
+            assert event.partial is None
+        else:
+            assert event.partial is not None
+            expected = expert_counts(trace.prefill[n_full:], SPEC.num_experts)
+            np.testing.assert_array_equal(dense(event.partial), expected)
+        assert event.reply_to == inbox
+        assert event.attrs == {"label": trace.label}
+        assert event.prefill_worker == "p0"
+        assert event.max_tokens == trace.decode_tokens
+
+
+async def test_decode_jobs_reach_the_chosen_simulated_workers(
+    bus: Bus, traces: TraceSet, simdecode: None
+) -> None:
+    admitted: set[str] = set()
+    expected: set[str] = set()
+    all_admitted = asyncio.Event()
+
+    async def on_load(report: LoadReport, _: Delivery) -> None:
+        admitted.update(report.admitted)
+        if expected and expected <= admitted:
+            all_admitted.set()
+
+    await bus.subscribe(bus.subjects.load_all, LoadReport, on_load)
+    router = StandInRouter(bus)
+    await router.start()
+    async with TraceReplayer(bus, traces, config(send_jobs=True, rate_per_s=200.0)) as replayer:
+        summary = await replayer.run(12)
+        ids = {r.request_id for r in replayer.records}
+    assert summary.jobs_accepted == 12
+    assert summary.errors == 0
+    assert summary.per_worker == {"dA": 6, "dB": 6}
+    assert summary.latency_p50_ms > 0
+    expected.update(ids)
+    if expected <= admitted:
+        all_admitted.set()
+    await asyncio.wait_for(all_admitted.wait(), timeout=WAIT_S)
+
+
+async def test_decision_is_read_from_the_stream_when_the_reply_is_lost(
+    bus: Bus, traces: TraceSet
+) -> None:
+    router = StandInRouter(bus, reply=False)
+    await router.start()
+    async with TraceReplayer(bus, traces, config(decision_timeout_s=0.3)) as replayer:
+        summary = await replayer.run(3)
+    assert summary.decided == 3
+    assert summary.recovered == 3
+    assert summary.lost == 0
+    assert all(r.worker_id in WORKERS for r in replayer.records)
+
+
+async def test_request_without_any_decision_is_counted_lost(bus: Bus, traces: TraceSet) -> None:
+    async with TraceReplayer(bus, traces, config(decision_timeout_s=0.2)) as replayer:
+        summary = await replayer.run(2)
+    assert summary.sent == 2
+    assert summary.lost == 2
+    assert summary.decided == 0
+    assert summary.errors == 2
+
+
+async def test_duplicate_replies_are_counted_not_double_decided(bus: Bus, traces: TraceSet) -> None:
+    router = StandInRouter(bus, reply_twice=True)
+    await router.start()
+    async with TraceReplayer(bus, traces, config()) as replayer:
+        summary = await replayer.run(5)
+        deadline = time.monotonic() + WAIT_S
+        # No event marks "the trailing second replies were handled": poll briefly.
+        while replayer.duplicate_replies < 5 and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)  # the second replies may trail the run's end
+    assert summary.decided == 5
+    assert replayer.duplicate_replies == 5
+    assert replayer.conflicting_replies == 0
+
+
+async def test_same_seed_plans_the_same_requests(bus: Bus, traces: TraceSet) -> None:
+    a = TraceReplayer(bus, traces, config(rate_per_s=50.0, seed=3))
+    b = TraceReplayer(bus, traces, config(rate_per_s=50.0, seed=3))
+    (ia, oa), (ib, ob) = a.plan(20), b.plan(20)
+    np.testing.assert_array_equal(ia, ib)
+    np.testing.assert_allclose(oa, ob)
+    assert oa[0] == 0.0
+    assert np.all(np.diff(oa) >= 0)
+
+
+async def test_job_refusal_is_recorded(bus: Bus, traces: TraceSet) -> None:
+    async def refuse(job: DecodeJob) -> DecodeJobAck:
+        return DecodeJobAck(request_id=job.request_id, accepted=False, reason="full")
+
+    for worker in WORKERS:
+        await bus.serve(bus.subjects.sim_decode(worker), None, DecodeJob, refuse)
+    router = StandInRouter(bus)
+    await router.start()
+    async with TraceReplayer(bus, traces, config(send_jobs=True)) as replayer:
+        summary = await replayer.run(2)
+    assert summary.jobs_refused == 2
+    assert all("full" in (r.error or "") for r in replayer.records)
+
+
+async def test_simprefill_service_replays_its_count_and_stops(
+    bus: Bus, bus_settings: BusSettings, retention: RetentionSettings
+) -> None:
+    from eldr_services.simprefill.service import serve as serve_simprefill
+    from eldr_services.simprefill.settings import SimPrefillSettings
+
+    router = StandInRouter(bus)
+    await router.start()
+    settings = SimPrefillSettings(
+        **bus_settings.model_dump(),
+        **retention.model_dump(),
+        instance_id="simprefill-test",
+        simprefill_synthetic_requests=8,
+        simprefill_synthetic_layers=2,
+        simprefill_synthetic_experts=8,
+        simprefill_rate_per_s=0.0,
+        simprefill_count=5,
+        simprefill_send_jobs=False,
+    )
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(
+        serve_simprefill(settings, stop=stop, ready=ready, install_signal_handlers=False)
+    )
+    await asyncio.wait_for(ready.wait(), timeout=WAIT_S)
+    await router.wait_events(5)
+    stop.set()
+    await asyncio.wait_for(task, timeout=WAIT_S)
+    assert len(router.events) == 5
+    assert len({e.request_id for e in router.events}) == 5
