@@ -18,10 +18,12 @@ from collections.abc import Sequence
 COMMAND_MODULES: tuple[str, ...] = (
     "eldr.bench.routing_bench",
     "eldr.bench.kmeans_bench",
+    "eldr.bench.pipeline_bench",
     "eldr.store.cli",
     "eldr.serve",
     "eldr.dev.cli",
     "eldr.trainer_cli",
+    "eldr.dev.demo",
 )
 
 

@@ -213,7 +213,10 @@ class RouterService:
                 await asyncio.wait_for(self.ctx.stopping.wait(), timeout=period)
 
     async def on_control(self, msg: RouterControl) -> RouterControlReply:
+        """Switch policy parameters (fields left None keep their value; all None = query)."""
         spec = self.core.spec
+        if msg.policy is None and msg.tau is None and msg.load_measure is None:
+            return self._control_reply()
         new = PolicySpec(
             name=msg.policy or spec.name,
             tau=spec.tau if msg.tau is None else msg.tau,
@@ -221,10 +224,16 @@ class RouterService:
         )
         self.core.set_policy(new)  # raises ValueError on a bad spec -> error reply
         log.info("router %s switched to policy %s", self.settings.instance_id, new)
+        return self._control_reply()
+
+    def _control_reply(self) -> RouterControlReply:
+        partition = self.core.partition
         return RouterControlReply(
             router_id=self.settings.instance_id,
             policy=self.core.policy.name,
             params=self.core.policy.params(),
+            partition_version=None if partition is None else partition.version,
+            live_workers=len(self.table.live_workers(time.monotonic())),
         )
 
     # --- the request path ------------------------------------------------------------------

@@ -179,7 +179,11 @@ def canonical_messages() -> dict[type[Message], Message]:
         ),
         RouterControl: RouterControl(policy="eldr", tau=0.2, load_measure="kv_tokens"),
         RouterControlReply: RouterControlReply(
-            router_id="router-a", policy="eldr", params={"tau": 0.2}
+            router_id="router-a",
+            policy="eldr",
+            params={"tau": 0.2},
+            partition_version=4,
+            live_workers=16,
         ),
         RefitRequest: RefitRequest(reason="manual", k=16),
         RefitReply: RefitReply(version=5, status="ok", message="fitted 1000 signatures"),

@@ -22,10 +22,12 @@ ack, then the connection drains (pending publishes and acks flushed) and closes.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import datetime as dt
 import hashlib
 import io
+import json
 import logging
 import ssl
 import time
@@ -566,30 +568,31 @@ class Bus:
         max_concurrency: int = 16,
         error_backoff_s: float = 1.0,
     ) -> Consumer:
-        """Run a pull loop on the existing durable consumer `durable` of `stream`.
+        """Consume the existing durable pull consumer `durable` of `stream`.
 
-        Fetches up to `batch` messages at a time and runs at most `max_concurrency`
-        handlers at once. Failed handlers are redelivered after
+        Keeps standing pull requests open for up to `max_concurrency` messages (requested in
+        chunks of at most `batch`), so each message is handled the moment the server
+        delivers it rather than when a batch fills. Failed handlers are redelivered after
         `error_backoff_s * 2**(deliveries - 1)` (capped at 60 s).
         """
         if batch < 1 or max_concurrency < 1:
             raise ValueError("batch and max_concurrency must be >= 1")
         with _translated(f"bind consumer {stream}/{durable}"):
             info = await self._js.consumer_info(stream, durable)
-            psub = await self._js.pull_subscribe_bind(durable=durable, stream=stream)
         consumer: Consumer = Consumer(
             self,
             stream,
             durable,
             message_type,
             handler,
-            psub,
+            next_subject=f"{self._js._prefix}.CONSUMER.MSG.NEXT.{stream}.{durable}",
             max_deliver=info.config.max_deliver or -1,
             batch=batch,
             max_concurrency=max_concurrency,
             error_backoff_s=error_backoff_s,
         )
-        consumer.start()
+        with _translated(f"subscribe to the pull inbox of {stream}/{durable}"):
+            await consumer.start()
         self._handles.append(consumer)
         log.info("consuming %s/%s (max_deliver %s)", stream, durable, consumer.max_deliver)
         return consumer
@@ -884,7 +887,15 @@ class Subscription(_Handle, Generic[M]):
 
 
 class Consumer(_Handle, Generic[M]):
-    """A durable pull-consumer loop started by `Bus.consume`."""
+    """A durable pull consumer driven by standing pull requests (started by `Bus.consume`).
+
+    The consumer keeps `outstanding` messages requested from the server, at most
+    `max_concurrency - in_flight`, each pull request asking for at most `batch` and
+    expiring after `fetch_timeout_s`. Messages arrive on a private inbox one by one and are
+    handled as they come. The server answers an expired request with a 408 status carrying
+    how many of it were not delivered, which keeps `outstanding` exact; a request whose
+    status never comes (a reconnect) is forgotten a second after its expiry.
+    """
 
     stop_order = 0
 
@@ -895,8 +906,8 @@ class Consumer(_Handle, Generic[M]):
         durable: str,
         message_type: type[M],
         handler: Handler[M],
-        psub: JetStreamContext.PullSubscription,
         *,
+        next_subject: str,
         max_deliver: int,
         batch: int,
         max_concurrency: int,
@@ -907,16 +918,22 @@ class Consumer(_Handle, Generic[M]):
         self.durable = durable
         self._message_type = message_type
         self._handler = handler
-        self._psub = psub
+        self._next_subject = next_subject
         self.max_deliver = max_deliver
         self._batch = batch
         self._max_concurrency = max_concurrency
         self._error_backoff_s = error_backoff_s
         self._stopping = asyncio.Event()
+        self._wakeup = asyncio.Event()
         self._inflight: set[asyncio.Task[None]] = set()
         self._loop_task: asyncio.Task[None] | None = None
+        self._inbox = bus._nc.new_inbox()
+        self._sub: NatsSubscription | None = None
+        # Open pull requests, oldest first: [expiry (monotonic s), messages still owed].
+        self._requests: collections.deque[list[float]] = collections.deque()
 
-    def start(self) -> None:
+    async def start(self) -> None:
+        self._sub = await self._bus._nc.subscribe(self._inbox, cb=self._on_msg)
         self._loop_task = asyncio.create_task(
             self._run(), name=f"consume {self.stream}/{self.durable}"
         )
@@ -925,32 +942,75 @@ class Consumer(_Handle, Generic[M]):
     def in_flight(self) -> int:
         return len(self._inflight)
 
+    @property
+    def outstanding(self) -> int:
+        return int(sum(r[1] for r in self._requests))
+
+    def _settle_request(self, delivered: int = 1) -> None:
+        """`delivered` messages of the oldest open request arrived."""
+        while delivered > 0 and self._requests:
+            head = self._requests[0]
+            take = min(delivered, int(head[1]))
+            head[1] -= take
+            delivered -= take
+            if head[1] <= 0:
+                self._requests.popleft()
+
+    async def _on_msg(self, msg: Msg) -> None:
+        status = JetStreamContext.is_status_msg(msg)
+        if status:
+            if status != "100":  # 100 = idle heartbeat: nothing to account
+                # 404/408: the oldest request ended with what it still owed; 409: it was
+                # refused (max waiting, leadership change, consumer deleted).
+                if status not in ("404", "408"):
+                    log.warning(
+                        "consumer %s/%s: pull status %s %s",
+                        self.stream,
+                        self.durable,
+                        status,
+                        (msg.headers or {}).get("Description", ""),
+                    )
+                if self._requests:
+                    self._requests.popleft()
+            self._wakeup.set()
+            return
+        self._settle_request()
+        if self._stopping.is_set() and self._loop_task is None:
+            return  # stopped: the server redelivers it after ack_wait
+        task = asyncio.create_task(self._process(msg))
+        self._inflight.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._inflight.discard(task)
+        self._wakeup.set()
+
     async def _run(self) -> None:
-        fetch_timeout = self._bus.settings.fetch_timeout_s
+        expires_s = self._bus.settings.fetch_timeout_s
+        chunk_min = max(1, self._batch // 2)
         while not self._stopping.is_set():
-            free = self._max_concurrency - len(self._inflight)
-            if free <= 0:
-                await asyncio.wait(self._inflight, return_when=asyncio.FIRST_COMPLETED)
-                continue
-            try:
-                msgs = await self._psub.fetch(min(self._batch, free), timeout=fetch_timeout)
-            except TimeoutError:
-                continue  # nothing to do (nats.errors.TimeoutError, FetchTimeoutError)
-            except nats.errors.ConnectionClosedError:
-                log.info("consumer %s/%s: connection closed", self.stream, self.durable)
-                return
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                # Server restarting, consumer deleted, ...: keep trying, slowly.
-                log.warning("consumer %s/%s: fetch failed: %s", self.stream, self.durable, exc)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stopping.wait(), timeout=fetch_timeout)
-                continue
-            for msg in msgs:
-                task = asyncio.create_task(self._process(msg))
-                self._inflight.add(task)
-                task.add_done_callback(self._inflight.discard)
+            now = time.monotonic()
+            while self._requests and self._requests[0][0] + 1.0 < now:
+                self._requests.popleft()  # its status never came (reconnect): forget it
+            free = self._max_concurrency - len(self._inflight) - self.outstanding
+            if free >= chunk_min or (free > 0 and not self._requests):
+                n = min(free, self._batch)
+                request = {"batch": n, "expires": int(expires_s * 1e9)}
+                try:
+                    await self._bus._nc.publish(
+                        self._next_subject, json.dumps(request).encode(), reply=self._inbox
+                    )
+                except nats.errors.ConnectionClosedError:
+                    log.info("consumer %s/%s: connection closed", self.stream, self.durable)
+                    return
+                except nats.errors.Error as exc:
+                    log.warning("consumer %s/%s: pull failed: %s", self.stream, self.durable, exc)
+                else:
+                    self._requests.append([now + expires_s, float(n)])
+                    continue
+            self._wakeup.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), timeout=expires_s / 2)
 
     def _backoff_s(self, num_delivered: int) -> float:
         return float(min(self._error_backoff_s * 2 ** max(num_delivered - 1, 0), 60.0))
@@ -1037,17 +1097,24 @@ class Consumer(_Handle, Generic[M]):
             log.warning("could not %s %s: %s", how, msg.subject, exc)
 
     async def stop(self) -> None:
-        """Stop fetching, wait for the handlers in flight (they ack), unsubscribe."""
+        """Stop requesting, let the open requests run out (their messages are handled),
+        wait for the handlers in flight (they ack), unsubscribe."""
         self._stopping.set()
+        self._wakeup.set()
         if self._loop_task is not None:
-            # The loop exits when its current fetch returns (within fetch_timeout_s);
-            # abandoning the fetch instead could strand messages the server already sent.
             await self._loop_task
-            self._loop_task = None
+        deadline = time.monotonic() + self._bus.settings.fetch_timeout_s + 0.5
+        while self._requests and time.monotonic() < deadline:
+            self._wakeup.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), timeout=0.05)
+        self._loop_task = None
         while self._inflight:
             await asyncio.gather(*list(self._inflight), return_exceptions=True)
-        with contextlib.suppress(nats.errors.Error):
-            await self._psub.unsubscribe()
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
 
     def cancel(self) -> None:
         self._stopping.set()

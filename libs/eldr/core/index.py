@@ -141,12 +141,14 @@ class CentroidIndex:
         retrieved similarity is itself within tau of the best, the band may continue
         beyond what was retrieved and the exact scores are returned instead.
         """
-        worker_scores: np.ndarray = self.scores_batch(self._as_queries(q, single=True), tau=tau)[0]
+        worker_scores: np.ndarray = self._scores(self._as_queries(q, single=True), tau)[0]
         return worker_scores
 
     def scores_batch(self, Q: np.ndarray, tau: float | None = None) -> np.ndarray:
         """float32 [B, num_workers]: `scores` for each row of Q [B, d]."""
-        queries = self._as_queries(Q, single=False)
+        return self._scores(self._as_queries(Q, single=False), tau)
+
+    def _scores(self, queries: np.ndarray, tau: float | None) -> np.ndarray:
         if tau is not None and not tau >= 0.0:
             raise ValueError(f"tau must be >= 0, got {tau}")
         if self._hnsw is None:
@@ -174,7 +176,7 @@ class CentroidIndex:
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         query = self._as_queries(q, single=True)
-        worker_scores: np.ndarray = self.scores_batch(query)[0]
+        worker_scores: np.ndarray = self._scores(query, None)[0]
         wanted = min(n, self._owning_workers.size)
         if int(np.isfinite(worker_scores).sum()) < wanted:
             worker_scores = self._exact(query)[0]

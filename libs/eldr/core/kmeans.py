@@ -55,8 +55,6 @@ _CHUNK_ROWS = 4096
 _PCA_SAMPLE_ROWS = 8192
 _PCA_OVERSAMPLE = 10
 _PCA_POWER_ITERATIONS = 2
-# Largest [k, N] indicator matrix used to sum clusters by one matrix product (256 MB).
-_INDICATOR_MAX_ENTRIES = 64 * 1024 * 1024
 # Auction price increment: the assignment is optimal to within this much similarity per
 # point; smaller values mean more auction steps.
 _AUCTION_EPS = 1e-3
@@ -334,19 +332,22 @@ class _MoveGraph:
 
     def _shortest(self, dist: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Bellman-Ford from the nodes with finite `dist` (their start values); returns
-        distances and predecessors (-1: a start node)."""
+        distances and predecessors (-1: a start node). Each round relaxes only the edges
+        out of nodes whose distance changed in the round before."""
         k = dist.size
         dist = dist.copy()
         pred = np.full(k, -1, dtype=np.int64)
+        frontier = np.flatnonzero(np.isfinite(dist))
         for _ in range(k):
-            through = dist[:, None] + self.cost
+            through = dist[frontier, None] + self.cost[frontier]
             via = through.argmin(axis=0)
             shorter = through[via, np.arange(k)]
             better = shorter < dist - 1e-12
             if not better.any():
                 break
             dist[better] = shorter[better]
-            pred[better] = via[better]
+            pred[better] = frontier[via[better]]
+            frontier = np.flatnonzero(better)
         return dist, pred
 
     def _apply_chain_to(self, target: int, pred: np.ndarray) -> int | None:
@@ -601,30 +602,27 @@ def _cluster_sums(
 ) -> np.ndarray:
     """float64 [k, r] sums of the rows of each cluster, each row times its weight.
 
-    Narrow Z (the projected rows): one product with a [k, N] indicator matrix. Wide Z
-    (original dimension), where that product would cost 2 k N r flops: gather each
-    cluster's rows, in blocks of at most _CHUNK_ROWS so that a large cluster never makes
-    a large copy, and sum them with a matrix-vector product, reading Z about twice.
+    Gathers each cluster's rows, in blocks of at most _CHUNK_ROWS so that a large
+    cluster never makes a large copy, and sums them: memory-bound, about two reads of Z.
+    (A product with a [k, N] indicator matrix costs 2 k N r flops and, with BLAS threads
+    competing for two busy cores, was several times slower.)
     """
-    n, r = Z.shape
-    w = np.ones(n, dtype=np.float32) if weights is None else weights
-    if r <= 256 and k * n <= _INDICATOR_MAX_ENTRIES:
-        indicator = np.zeros((k, n), dtype=np.float32)
-        indicator[labels, np.arange(n)] = w
-        product: np.ndarray = (indicator @ Z).astype(np.float64)
-        return product
     order = np.argsort(labels, kind="stable")
     ends = np.cumsum(np.bincount(labels, minlength=k))
-    sums = np.zeros((k, r))
+    sums = np.zeros((k, Z.shape[1]))
     start = 0
     for col in range(k):
-        for lo in range(start, int(ends[col]), _CHUNK_ROWS):
-            idx = order[lo : min(lo + _CHUNK_ROWS, int(ends[col]))]
+        stop = int(ends[col])
+        for lo in range(start, stop, _CHUNK_ROWS):
+            idx = order[lo : min(lo + _CHUNK_ROWS, stop)]
             block = Z[idx]
             if block.dtype != np.float32:
                 block = block.astype(np.float32)
-            sums[col] += w[idx] @ block
-        start = int(ends[col])
+            if weights is None:
+                sums[col] += block.sum(axis=0, dtype=np.float64)
+            else:
+                sums[col] += weights[idx] @ block
+        start = stop
     return sums
 
 

@@ -42,6 +42,7 @@ class WorkerState:
     draining: bool
     last_report_s: float
     pending: dict[str, tuple[float, int]] = field(default_factory=dict)
+    pending_kv_tokens: int = 0
     recent_admitted: OrderedDict[str, None] = field(default_factory=OrderedDict)
 
     @property
@@ -50,7 +51,17 @@ class WorkerState:
 
     @property
     def kv_load(self) -> int:
-        return self.kv_tokens + sum(kv for _, kv in self.pending.values())
+        return self.kv_tokens + self.pending_kv_tokens
+
+    def add_pending(self, request_id: str, now_s: float, kv_tokens: int) -> None:
+        if request_id not in self.pending:
+            self.pending[request_id] = (now_s, kv_tokens)
+            self.pending_kv_tokens += kv_tokens
+
+    def drop_pending(self, request_id: str) -> None:
+        entry = self.pending.pop(request_id, None)
+        if entry is not None:
+            self.pending_kv_tokens -= entry[1]
 
 
 @dataclass(frozen=True)
@@ -119,7 +130,7 @@ class LoadTable:
         state.draining = report.draining
         state.last_report_s = now_s
         for rid in report.admitted:
-            state.pending.pop(rid, None)
+            state.drop_pending(rid)
             state.recent_admitted[rid] = None
             state.recent_admitted.move_to_end(rid)
         while len(state.recent_admitted) > RECENT_ADMITTED_MAX:
@@ -131,7 +142,7 @@ class LoadTable:
         state = self._workers.get(worker_id)
         if state is None or request_id in state.recent_admitted:
             return
-        state.pending.setdefault(request_id, (now_s, kv_tokens))
+        state.add_pending(request_id, now_s, kv_tokens)
 
     def expire(self, now_s: float) -> list[str]:
         """Drop stale workers and timed-out pending assignments; returns removed workers."""
@@ -143,9 +154,14 @@ class LoadTable:
         cutoff = now_s - self.pending_ttl_s
         for s in self._workers.values():
             if s.pending:
-                expired = [rid for rid, (t, _) in s.pending.items() if t < cutoff]
+                # insertion order is assignment order: expired entries are a prefix
+                expired = []
+                for rid, (t, _) in s.pending.items():
+                    if t >= cutoff:
+                        break
+                    expired.append(rid)
                 for rid in expired:
-                    del s.pending[rid]
+                    s.drop_pending(rid)
         return removed
 
     def remove(self, worker_id: str) -> None:

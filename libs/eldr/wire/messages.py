@@ -383,6 +383,10 @@ class RouterControlReply(Message, frozen=True, tag="router_control_reply"):
     router_id: Ident
     policy: Ident
     params: Annotated[dict[AttrKey, ParamValue], msgspec.Meta(max_length=MAX_PARAMS)]
+    partition_version: Version | None = None
+    """Partition version the replica routes with (None: none loaded)."""
+    live_workers: Count = 0
+    """Decode workers in the replica's load table."""
 
 
 class RefitRequest(Message, frozen=True, tag="refit_request"):

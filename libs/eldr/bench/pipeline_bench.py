@@ -1,0 +1,239 @@
+"""`eldr bench-pipeline`: prefill-done -> decision latency through NATS at fixed rates.
+
+Starts the local stack (embedded nats-server, signature replicas, routers, simulated decode
+workers that report load) as separate processes, installs an ELDR partition fitted on a
+synthetic calibration set (so routers take the full locality path: signature assembly over
+NATS, hnswlib/exact scoring, band, commit), then, per rate, replays requests as a Poisson
+stream: block summaries and a PrefillDone per request, each decision awaited on a reply
+inbox. Latency is measured in the replaying process from just before the PrefillDone
+publish to the decision's arrival (monotonic clock). Requests are not sent on to the decode
+workers (routing is what is measured); the workers only report load.
+
+Everything shares this machine's cores: the numbers include the replayer's own CPU use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from eldr.bus import Bus
+from eldr.core.partition import fit_partition
+from eldr.core.synthetic import SyntheticSpec, generate
+from eldr.core.trace import TraceSet, counts_matrix
+from eldr.dev.replayer import ReplayConfig, TraceReplayer
+from eldr.dev.stack import SERVICES, Stack, StackConfig
+from eldr.partitions import blob_sha256, partition_to_blob
+from eldr.wire import PartitionAnnouncement, RouterControl, RouterControlReply
+
+log = logging.getLogger(__name__)
+
+MODEL = "bench"
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    rates: tuple[float, ...] = (500.0, 1000.0, 2000.0)
+    duration_s: float = 10.0
+    routers: int = 1
+    signatures: int = 1
+    decoders: int = 16
+    seed: int = 0
+    namespace: str | None = None
+    state_dir: Path = Path(".eldr")
+
+
+async def install_partition(bus: Bus, traces: TraceSet, workers: list[str], seed: int) -> int:
+    """Fit a partition on the synthetic set and announce it, as the trainer would."""
+    prefill = counts_matrix(traces.traces, traces.geometry, "prefill")
+    decode = counts_matrix(traces.traces, traces.geometry, "decode")
+    partition, _ = fit_partition(
+        prefill, decode, traces.geometry, workers, version=1, model=MODEL, seed=seed
+    )
+    blob = partition_to_blob(partition)
+    bucket = f"{bus.subjects.namespace}-partitions"
+    ref = await bus.object_put(bucket, "v1", blob)
+    assert ref.sha256 == blob_sha256(blob)
+    await bus.js_publish(
+        bus.subjects.partition_active,
+        PartitionAnnouncement(
+            version=1,
+            model=MODEL,
+            object_name="v1",
+            sha256=ref.sha256,
+            created_ts_s=time.time(),
+            k=partition.k,
+            dim=partition.calibration.dim,
+            workers=list(partition.workers),
+        ),
+    )
+    return partition.k
+
+
+async def wait_routers_ready(bus: Bus, routers: int, decoders: int, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    query = RouterControl(policy=None, tau=None, load_measure=None)
+    while True:
+        replies = [
+            r
+            for r in await bus.request_many(
+                bus.subjects.control_router,
+                query,
+                RouterControlReply,
+                timeout_s=1.0,
+                max_replies=routers,
+            )
+            if isinstance(r, RouterControlReply)
+        ]
+        if len(replies) == routers and all(
+            r.partition_version == 1 and r.live_workers == decoders for r in replies
+        ):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"routers not ready with partition 1 and all workers: {replies}")
+        await asyncio.sleep(0.2)
+
+
+async def drive(config: PipelineConfig, stack: Stack) -> dict[str, Any]:
+    spec = SyntheticSpec(num_topics=8, num_moe_layers=24, num_experts=128, top_k=1)
+    rng = np.random.default_rng(config.seed)
+    calibration = generate(spec, 600, rng, id_prefix="cal")
+    traffic = generate(spec, 2000, rng, id_prefix="req")
+    bus = await Bus.connect(stack.bus_settings(), "eldr-bench-pipeline")
+    results = []
+    try:
+        workers = [f"decode-{i}" for i in range(config.decoders)]
+        await install_partition(bus, calibration, workers, config.seed)
+        await wait_routers_ready(bus, config.routers, config.decoders)
+        for rate in config.rates:
+            n = int(rate * config.duration_s)
+            replay = TraceReplayer(
+                bus,
+                traffic,
+                ReplayConfig(
+                    model=MODEL,
+                    rate_per_s=rate,
+                    seed=config.seed,
+                    send_jobs=False,
+                    decision_timeout_s=5.0,
+                ),
+            )
+            async with replay:
+                summary = await replay.run(n)
+            latencies = np.array(
+                [r.decision_latency_s for r in replay.records if r.decision_latency_s is not None]
+            )
+            row = {
+                "rate": rate,
+                "sent": summary.sent,
+                "decided": summary.decided,
+                "lost": summary.lost,
+                "conflicting": summary.conflicting,
+                "achieved_rate": round(summary.achieved_rate_per_s, 1),
+                "latency_p50_ms": round(float(np.percentile(latencies, 50)) * 1e3, 3),
+                "latency_p99_ms": round(float(np.percentile(latencies, 99)) * 1e3, 3),
+                "latency_max_ms": round(float(latencies.max()) * 1e3, 3),
+                "fallbacks": dict(summary.fallbacks),
+                "max_lag_ms": round(summary.max_lag_s * 1e3, 1),
+            }
+            log.info("rate %.0f: %s", rate, row)
+            results.append(row)
+    finally:
+        await bus.drain()
+    return {
+        "input": {
+            "synthetic": True,
+            "routers": config.routers,
+            "signature_replicas": config.signatures,
+            "decoders": config.decoders,
+            "duration_s": config.duration_s,
+            "geometry": "24 MoE layers x 128 experts, top-1, 16-token blocks",
+        },
+        "results": results,
+    }
+
+
+def run(config: PipelineConfig) -> dict[str, Any]:
+    services = tuple(s for s in SERVICES if s.name in ("signature", "simdecode", "router"))
+    stack_config = StackConfig(
+        namespace=config.namespace or f"bench{uuid.uuid4().hex[:8]}",
+        state_dir=config.state_dir,
+        decoders=config.decoders,
+        replicas={"signature": config.signatures, "router": config.routers},
+        services=tuple(
+            s if s.name != "router" else type(s)(s.name, s.replicas, ("signature", "simdecode"))
+            for s in services
+        ),
+        env={"ELDR_POLICY": "eldr", "OPENBLAS_NUM_THREADS": "1", "ELDR_PENDING_TTL_S": "2"},
+        log_level="WARNING",
+        echo=False,
+        log_dir=config.state_dir / "logs",
+    )
+    with Stack(stack_config) as stack:
+        return asyncio.run(drive(config, stack))
+
+
+def format_table(result: dict[str, Any]) -> str:
+    inp = result["input"]
+    lines = [
+        f"pipeline: {inp['routers']} router(s), {inp['signature_replicas']} signature "
+        f"replica(s), {inp['decoders']} simulated decode workers, {inp['duration_s']} s per "
+        f"rate, SYNTHETIC requests ({inp['geometry']})",
+        f"{'rate/s':>7} {'achieved':>8} {'sent':>6} {'decided':>7} {'lost':>4} {'P50 ms':>7} "
+        f"{'P99 ms':>7} {'max ms':>7}",
+    ]
+    for r in result["results"]:
+        lines.append(
+            f"{r['rate']:>7.0f} {r['achieved_rate']:>8.1f} {r['sent']:>6} {r['decided']:>7} "
+            f"{r['lost']:>4} {r['latency_p50_ms']:>7.2f} {r['latency_p99_ms']:>7.2f} "
+            f"{r['latency_max_ms']:>7.1f}"
+        )
+    return "\n".join(lines)
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x.strip())
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "bench-pipeline",
+        help="prefill-done -> decision latency through NATS at fixed rates",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--rates", type=_floats, default=(500.0, 1000.0, 2000.0))
+    p.add_argument("--duration", type=float, default=10.0, help="seconds per rate")
+    p.add_argument("--routers", type=int, default=1)
+    p.add_argument("--signatures", type=int, default=1)
+    p.add_argument("--decoders", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path)
+    p.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    result = run(
+        PipelineConfig(
+            rates=args.rates,
+            duration_s=args.duration,
+            routers=args.routers,
+            signatures=args.signatures,
+            decoders=args.decoders,
+            seed=args.seed,
+        )
+    )
+    print(format_table(result))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0

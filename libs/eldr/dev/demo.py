@@ -1,0 +1,391 @@
+"""`eldr demo`: the whole pipeline on one machine, round-robin against ELDR.
+
+1. Start the local stack (`eldr.dev.stack`): embedded nats-server, SQLite (or the given
+   database), 2 signature replicas, the trainer, simulated decode workers, 2 routers.
+2. Calibration: replay a calibration set of requests under round-robin, so the trainer sees
+   signatures (from the decision records) and decode profiles (from the workers).
+3. Refit: ask the trainer for a partition; wait until every router has loaded it.
+4. Evaluation: replay the *same* evaluation requests at the same arrival times under each
+   policy in turn, and compare what the simulated decode workers measured: distinct experts
+   per MoE layer per step, TPOT P50/P99, plus decisions, fallbacks and decision latency.
+
+The decode workers are simulated (no GPU here): each step costs what the cost model says for
+the experts its batch really activates, in real time (`--time-scale` stretches it). The
+input is synthetic unless `--traces` is given, and the report says which.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from eldr.bench.routing_bench import rates_for_batch_targets, stratified_split
+from eldr.bus import Bus, BusError, RemoteError
+from eldr.core.synthetic import SyntheticSpec, generate
+from eldr.core.trace import TraceSet
+from eldr.data.profiles import DEFAULT_PROFILE_FOR_TRACES, load_catalog
+from eldr.dev.replayer import ReplayConfig, ReplaySummary, TraceReplayer
+from eldr.dev.stack import Stack, StackConfig
+from eldr.settings import BusSettings
+from eldr.wire import (
+    RefitReply,
+    RefitRequest,
+    RouterControl,
+    RouterControlReply,
+    SimStats,
+    SimStatsRequest,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    traces: Path | None = None
+    """Trace directory (`<label>/<n>.json`); None = a synthetic workload."""
+    num_experts: int | None = None
+    synthetic_requests: int = 600
+    decoders: int = 8
+    calibration_requests: int = 600
+    evaluation_requests: int = 1500
+    target_batch: float = 16.0
+    """Arrival rate chosen so that a worker holds about this many requests (Little's law)."""
+    rate_per_s: float | None = None
+    """Explicit arrival rate; overrides target_batch."""
+    time_scale: float = 1.0
+    policies: tuple[str, ...] = ("round_robin", "eldr")
+    tau: float = 0.1
+    seed: int = 0
+    profile: str = DEFAULT_PROFILE_FOR_TRACES
+    database_url: str | None = None
+    nats_url: str | None = None
+    namespace: str | None = None
+    state_dir: Path = Path(".eldr")
+    signature_replicas: int = 2
+    router_replicas: int = 2
+    echo_services: bool = False
+    service_log_level: str = "WARNING"
+
+
+@dataclass
+class PolicyResult:
+    policy: str
+    sent: int
+    decided: int
+    lost: int
+    conflicting: int
+    fallbacks: dict[str, int]
+    decision_latency_p50_ms: float
+    decision_latency_p99_ms: float
+    expert_union_mean: float
+    batch_mean: float
+    tpot_p50_ms: float
+    tpot_p99_ms: float
+    finished: int
+    per_worker: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class DemoResult:
+    input: dict[str, Any]
+    rate_per_s: float
+    partition_version: int | None
+    refit_message: str
+    calibration: dict[str, Any]
+    results: list[PolicyResult]
+    wall_s: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def load_input(config: DemoConfig) -> TraceSet:
+    if config.traces is not None:
+        from eldr.data.traces import load_trace_dir
+
+        return load_trace_dir(config.traces, num_experts=config.num_experts)
+    # Llama-4-Maverick's routing geometry (24 MoE layers x 128 experts, top-1), the model of
+    # the default cost profile the simulated workers use.
+    spec = SyntheticSpec(num_topics=6, num_moe_layers=24, num_experts=128, top_k=1)
+    return generate(spec, config.synthetic_requests, np.random.default_rng(config.seed))
+
+
+async def _routers(bus: Bus, control: RouterControl, expected: int) -> list[RouterControlReply]:
+    replies = await bus.request_many(
+        bus.subjects.control_router,
+        control,
+        RouterControlReply,
+        timeout_s=2.0,
+        max_replies=expected,
+    )
+    return [r for r in replies if isinstance(r, RouterControlReply)]
+
+
+async def set_policy(bus: Bus, policy: str, tau: float, routers: int) -> None:
+    replies = await _routers(bus, RouterControl(policy=policy, tau=tau, load_measure=None), routers)
+    if len(replies) != routers or any(r.policy != policy for r in replies):
+        raise RuntimeError(f"could not switch {routers} routers to {policy}: {replies}")
+
+
+async def wait_for_partition(bus: Bus, version: int, routers: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    query = RouterControl(policy=None, tau=None, load_measure=None)
+    while True:
+        replies = await _routers(bus, query, routers)
+        if len(replies) == routers and all(r.partition_version == version for r in replies):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"routers did not load partition version {version}: {replies}")
+        await asyncio.sleep(0.2)
+
+
+async def worker_stats(bus: Bus, decoders: int, reset: bool = False) -> list[SimStats]:
+    replies = await bus.request_many(
+        bus.subjects.sim_stats,
+        SimStatsRequest(reset=reset),
+        SimStats,
+        timeout_s=2.0,
+        max_replies=decoders,
+    )
+    return [r for r in replies if isinstance(r, SimStats)]
+
+
+async def wait_idle(bus: Bus, decoders: int, timeout_s: float) -> None:
+    """Wait until every simulated decode worker has finished its requests."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = await worker_stats(bus, decoders)
+        if len(stats) == decoders and all(s.running == 0 and s.waiting == 0 for s in stats):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError("decode workers still busy")
+        await asyncio.sleep(0.2)
+
+
+def summarize_workers(stats: list[SimStats]) -> dict[str, float]:
+    steps = sum(s.steps for s in stats)
+    tpot = np.concatenate([s.tpot_s.to_numpy() for s in stats]) if stats else np.zeros(0)
+    return {
+        "expert_union_mean": sum(s.union_per_layer_sum for s in stats) / steps if steps else 0.0,
+        "batch_mean": sum(s.batch_sum for s in stats) / steps if steps else 0.0,
+        "tpot_p50_ms": float(np.percentile(tpot, 50) * 1e3) if tpot.size else float("nan"),
+        "tpot_p99_ms": float(np.percentile(tpot, 99) * 1e3) if tpot.size else float("nan"),
+        "finished": float(sum(s.finished for s in stats)),
+    }
+
+
+async def drive(config: DemoConfig, settings: BusSettings, traces: TraceSet) -> DemoResult:
+    started = time.perf_counter()
+    cal_idx, ev_idx = stratified_split(
+        [t.label for t in traces.traces], 0.4, np.random.default_rng(config.seed)
+    )
+    cal, ev = traces.subset(cal_idx.tolist()), traces.subset(ev_idx.tolist())
+    cost = load_catalog().get(config.profile)
+    rate = (
+        config.rate_per_s
+        or rates_for_batch_targets(cost, traces, config.decoders, [config.target_batch])[0]
+        / config.time_scale
+    )
+    model = "sim-" + ("traces" if config.traces else "synthetic")
+    routers = config.router_replicas
+    bus = await Bus.connect(settings, "eldr-demo")
+    try:
+        log.info(
+            "calibration: %d requests under round-robin at %.1f req/s",
+            config.calibration_requests,
+            rate,
+        )
+        await set_policy(bus, "round_robin", config.tau, routers)
+        replay = TraceReplayer(
+            bus, cal, ReplayConfig(model=model, rate_per_s=rate, seed=config.seed)
+        )
+        async with replay:
+            calibration = await replay.run(config.calibration_requests)
+        await wait_idle(bus, config.decoders, timeout_s=120)
+        log.info("refit")
+        reply = await bus.request(
+            bus.subjects.trainer_refit,
+            RefitRequest(reason="demo", k=None),
+            RefitReply,
+            timeout_s=120.0,
+        )
+        if reply.version is None:
+            raise RuntimeError(
+                f"the trainer did not fit a partition: {reply.status}: {reply.message}"
+            )
+        await wait_for_partition(bus, reply.version, routers, timeout_s=60)
+        results = []
+        for i, policy in enumerate(config.policies):
+            log.info("evaluation %d/%d: %s", i + 1, len(config.policies), policy)
+            await set_policy(bus, policy, config.tau, routers)
+            await worker_stats(bus, config.decoders, reset=True)
+            replay = TraceReplayer(
+                bus, ev, ReplayConfig(model=model, rate_per_s=rate, seed=config.seed + 1)
+            )
+            async with replay:
+                summary = await replay.run(config.evaluation_requests)
+            await wait_idle(bus, config.decoders, timeout_s=120)
+            measured = summarize_workers(await worker_stats(bus, config.decoders))
+            results.append(_policy_result(policy, summary, measured))
+    finally:
+        await bus.drain()
+    return DemoResult(
+        input={
+            "traces": traces.source,
+            "synthetic": traces.synthetic,
+            "requests": len(traces),
+            "calibration_pool": len(cal),
+            "evaluation_pool": len(ev),
+            "decoders": config.decoders,
+            "cost_profile": cost.name,
+            "time_scale": config.time_scale,
+            "tau": config.tau,
+        },
+        rate_per_s=round(rate, 2),
+        partition_version=reply.version,
+        refit_message=reply.message,
+        calibration=calibration.as_dict(),
+        results=results,
+        wall_s=round(time.perf_counter() - started, 1),
+    )
+
+
+def _policy_result(policy: str, s: ReplaySummary, m: dict[str, float]) -> PolicyResult:
+    return PolicyResult(
+        policy=policy,
+        sent=s.sent,
+        decided=s.decided,
+        lost=s.lost,
+        conflicting=s.conflicting,
+        fallbacks=dict(s.fallbacks),
+        decision_latency_p50_ms=round(s.latency_p50_ms, 3),
+        decision_latency_p99_ms=round(s.latency_p99_ms, 3),
+        expert_union_mean=round(m["expert_union_mean"], 3),
+        batch_mean=round(m["batch_mean"], 2),
+        tpot_p50_ms=round(m["tpot_p50_ms"], 3),
+        tpot_p99_ms=round(m["tpot_p99_ms"], 3),
+        finished=int(m["finished"]),
+        per_worker=dict(s.per_worker),
+    )
+
+
+def run_demo(config: DemoConfig) -> DemoResult:
+    traces = load_input(config)
+    namespace = config.namespace or f"demo{uuid.uuid4().hex[:8]}"
+    stack_config = StackConfig(
+        namespace=namespace,
+        nats_url=config.nats_url,
+        database_url=config.database_url,
+        state_dir=config.state_dir,
+        decoders=config.decoders,
+        replicas={"signature": config.signature_replicas, "router": config.router_replicas},
+        env={
+            "ELDR_SIMDECODE_TIME_SCALE": str(config.time_scale),
+            "ELDR_SIMDECODE_PROFILE": config.profile,
+            "ELDR_SIMDECODE_NUM_EXPERTS": str(traces.geometry.num_experts),
+            "ELDR_REFIT_INTERVAL_S": "0",
+            "ELDR_MIN_SAMPLES": str(min(256, config.calibration_requests // 2)),
+            "ELDR_POLICY": "round_robin",
+            "ELDR_TAU": str(config.tau),
+            "OPENBLAS_NUM_THREADS": "1",
+        },
+        log_level=config.service_log_level,
+        echo=config.echo_services,
+        log_dir=config.state_dir / "logs",
+    )
+    with Stack(stack_config) as stack:
+        return asyncio.run(drive(config, stack.bus_settings(), traces))
+
+
+def format_result(result: DemoResult) -> str:
+    inp = result.input
+    kind = "real traces" if not inp["synthetic"] else "SYNTHETIC workload"
+    lines = [
+        f"input: {inp['traces']} ({kind}), {inp['requests']} distinct requests "
+        f"(calibration pool {inp['calibration_pool']}, evaluation pool {inp['evaluation_pool']})",
+        f"{inp['decoders']} simulated decode workers, cost profile {inp['cost_profile']}, "
+        f"time scale {inp['time_scale']}, arrival rate {result.rate_per_s} req/s",
+        f"partition version {result.partition_version}: {result.refit_message}",
+        "",
+        f"{'policy':<12} {'sent':>5} {'decided':>7} {'lost':>4} {'union':>7} {'batch':>6} "
+        f"{'TPOT P50':>9} {'TPOT P99':>9} {'decide P50':>10} {'decide P99':>10}  fallbacks",
+    ]
+    for r in result.results:
+        lines.append(
+            f"{r.policy:<12} {r.sent:>5} {r.decided:>7} {r.lost:>4} {r.expert_union_mean:>7.3f} "
+            f"{r.batch_mean:>6.2f} {r.tpot_p50_ms:>7.2f}ms {r.tpot_p99_ms:>7.2f}ms "
+            f"{r.decision_latency_p50_ms:>8.2f}ms {r.decision_latency_p99_ms:>8.2f}ms  "
+            f"{r.fallbacks or '-'}"
+        )
+    base = result.results[0]
+    for r in result.results[1:]:
+        if base.expert_union_mean > 0 and base.tpot_p50_ms > 0:
+            lines.append(
+                f"{r.policy} vs {base.policy}: expert union "
+                f"{100 * (r.expert_union_mean / base.expert_union_mean - 1):+.1f}%, TPOT P50 "
+                f"{100 * (r.tpot_p50_ms / base.tpot_p50_ms - 1):+.1f}%, TPOT P99 "
+                f"{100 * (r.tpot_p99_ms / base.tpot_p99_ms - 1):+.1f}%"
+            )
+    lines.append(f"demo wall time {result.wall_s} s")
+    return "\n".join(lines)
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "demo",
+        help="run the local stack and compare round-robin with ELDR on the same requests",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--traces", type=Path, help="trace directory; default: synthetic workload")
+    p.add_argument("--num-experts", type=int, default=None)
+    p.add_argument("--decoders", type=int, default=8)
+    p.add_argument("--calibration-requests", type=int, default=600)
+    p.add_argument("--evaluation-requests", type=int, default=1500)
+    p.add_argument("--target-batch", type=float, default=16.0)
+    p.add_argument("--rate", type=float, default=None, help="arrival rate (req/s)")
+    p.add_argument("--time-scale", type=float, default=1.0)
+    p.add_argument("--tau", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--database-url", default=None, help="default: SQLite in .eldr/")
+    p.add_argument("--nats-url", default=None, help="default: an embedded nats-server")
+    p.add_argument("--echo-services", action="store_true", help="show the services' logs")
+    p.add_argument("--json", type=Path, help="write the result as JSON here")
+    p.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    config = DemoConfig(
+        traces=args.traces,
+        num_experts=args.num_experts,
+        decoders=args.decoders,
+        calibration_requests=args.calibration_requests,
+        evaluation_requests=args.evaluation_requests,
+        target_batch=args.target_batch,
+        rate_per_s=args.rate,
+        time_scale=args.time_scale,
+        tau=args.tau,
+        seed=args.seed,
+        database_url=args.database_url,
+        nats_url=args.nats_url,
+        echo_services=args.echo_services,
+    )
+    try:
+        result = run_demo(config)
+    except (BusError, RemoteError, RuntimeError, TimeoutError) as exc:
+        log.error("demo failed: %s (service logs in %s)", exc, config.state_dir / "logs")
+        return 1
+    print(format_result(result))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result.as_dict(), indent=2))
+    return 0
