@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge
@@ -134,11 +135,12 @@ async def run_service(
     stop: asyncio.Event | None = None,
     ready: asyncio.Event | None = None,
     install_signal_handlers: bool = True,
+    no_echo: bool = False,
 ) -> None:
     """Run a service until `stop` is set or the process gets SIGTERM/SIGINT.
 
     `ready`, when given, is set once the service calls `ctx.set_ready()` (for tests that
-    run services in-process).
+    run services in-process). `no_echo`: see `Bus.connect`.
     """
     stopping = stop or asyncio.Event()
     registry = CollectorRegistry()
@@ -149,7 +151,9 @@ async def run_service(
         registry=registry,
     )
     info.labels(service=name).set(1)
-    bus = await Bus.connect(settings, f"eldr-{name}-{settings.instance_id}", registry=registry)
+    bus = await Bus.connect(
+        settings, f"eldr-{name}-{settings.instance_id}", registry=registry, no_echo=no_echo
+    )
     runner: web.AppRunner | None = None
     async with AsyncExitStack() as stack:
         ctx: ServiceContext[S] = ServiceContext(
@@ -170,6 +174,13 @@ async def run_service(
                     with contextlib.suppress(NotImplementedError, RuntimeError):
                         loop.add_signal_handler(sig, stopping.set)
             await setup(ctx)
+            # Everything allocated so far (imported modules, settings, caches warmed at
+            # start) lives as long as the process: move it out of the collector's reach,
+            # so that full collections no longer walk it. Without this a full collection
+            # of a service's heap pauses its event loop for ~50 ms (measured), which is
+            # the tail latency of every request in flight at that moment.
+            gc.collect()
+            gc.freeze()
             await stopping.wait()
             log.info("%s %s stopping: draining", name, settings.instance_id)
             ctx.set_ready(False)
@@ -184,13 +195,27 @@ async def run_service(
     log.info("%s %s stopped", name, settings.instance_id)
 
 
+T = TypeVar("T")
+
+
+def run_async(main: Coroutine[Any, Any, T]) -> T:
+    """`asyncio.run` on uvloop: the services spend most of their CPU in the event loop and
+    socket I/O, where uvloop's libuv loop costs a fraction of asyncio's default one."""
+    import uvloop
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main)
+
+
 def service_main(
     name: str,
     settings_type: type[S],
     setup: Callable[[ServiceContext[S]], Awaitable[None]],
+    *,
+    no_echo: bool = False,
 ) -> int:
     """Console entry: read settings from the environment, run until signalled."""
     settings = settings_type()
     configure_logging(settings.log_level)
-    asyncio.run(run_service(name, settings, setup))
+    run_async(run_service(name, settings, setup, no_echo=no_echo))
     return 0

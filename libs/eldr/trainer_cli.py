@@ -11,7 +11,6 @@ requests, no live workers), 1 on an error or when no trainer answered.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from typing import Any
 
@@ -52,7 +51,9 @@ def _cmd_refit(args: argparse.Namespace) -> int:
     if args.timeout <= 0:
         print("eldr refit: --timeout must be positive", file=sys.stderr)
         return EXIT_ERROR
-    return asyncio.run(refit(args.reason, args.k, args.timeout))
+    from eldr.runtime import run_async
+
+    return run_async(refit(args.reason, args.k, args.timeout))
 
 
 async def refit(reason: str, k: int | None, timeout_s: float) -> int:

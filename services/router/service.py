@@ -238,11 +238,38 @@ class RouterService:
 
     # --- the request path ------------------------------------------------------------------
 
-    async def fetch_signature(self, msg: PrefillDone) -> tuple[np.ndarray | None, int, str | None]:
-        """(counts [L, E] or None, missing blocks, reason when None)."""
+    async def signature_of(self, msg: PrefillDone) -> tuple[np.ndarray | None, int, str | None]:
+        """The request's prefill counts: what the prefill computed (carried in the event)
+        plus, from the signature service, its prefix-cache hits. Returns (counts [L, E] or
+        None, blocks missing, the reason when None)."""
+        if msg.computed is not None:
+            computed = msg.computed.to_dense(np.uint32)
+            cached = msg.block_hashes[: msg.cached_prefix_blocks]
+            if not cached:
+                return computed, 0, None  # nothing came from a prefix cache
+            if not (self.settings.fetch_signature or self.core.policy.uses_signature):
+                return None, len(cached), "no_signature"
+            counts, missing, reason = await self.fetch_signature(msg, cached, None)
+            if counts is None:
+                return None, missing, reason
+            return counts + computed, missing, None
+        if not msg.block_hashes:
+            # A prompt shorter than one block: its partial block is the whole signature.
+            if msg.partial is None:
+                return None, 0, "empty_signature"
+            return msg.partial.to_dense(np.uint32), 0, None
+        if not (self.settings.fetch_signature or self.core.policy.uses_signature):
+            return None, len(msg.block_hashes), "no_signature"
+        return await self.fetch_signature(msg, msg.block_hashes, msg.partial)
+
+    async def fetch_signature(
+        self, msg: PrefillDone, block_hashes: list[int], partial: SparseCounts | None
+    ) -> tuple[np.ndarray | None, int, str | None]:
+        """Sum of `block_hashes` (+ `partial`) from the signature service: (counts [L, E]
+        or None, missing blocks, reason when None)."""
         started = time.perf_counter()
         counts: np.ndarray | None = None
-        missing = len(msg.block_hashes)
+        missing = len(block_hashes)
         reason: str | None = None
         try:
             reply = await self.bus.request(
@@ -250,8 +277,8 @@ class RouterService:
                 AssembleRequest(
                     request_id=msg.request_id,
                     model=msg.model,
-                    block_hashes=msg.block_hashes,
-                    partial=msg.partial,
+                    block_hashes=block_hashes,
+                    partial=partial,
                     wait_ms=self.settings.assemble_wait_ms,
                 ),
                 AssembleReply,
@@ -286,16 +313,7 @@ class RouterService:
             if existing is not None:
                 await self._answer(msg, existing, already=True)
                 return
-        counts: np.ndarray | None = None
-        missing = len(msg.block_hashes)
-        sig_error: str | None = "no_signature"
-        if not msg.block_hashes:
-            # A prompt shorter than one block: its partial block is the whole signature.
-            missing, sig_error = 0, None if msg.partial is not None else "empty_signature"
-            if msg.partial is not None:
-                counts = msg.partial.to_dense(np.uint32)
-        elif self.settings.fetch_signature or self.core.policy.uses_signature:
-            counts, missing, sig_error = await self.fetch_signature(msg)
+        counts, missing, sig_error = await self.signature_of(msg)
         request = RouteRequest(
             request_id=msg.request_id,
             model=msg.model,
@@ -413,5 +431,11 @@ async def setup(ctx: ServiceContext[RouterSettings]) -> None:
     )
 
 
+NO_ECHO = True
+"""The router's own decisions come back on `decisions.*` only through other replicas: it
+counts them against their workers when it commits them, so skipping the echo saves a
+decode per request without losing anything."""
+
+
 def main() -> int:
-    return service_main("router", RouterSettings, setup)
+    return service_main("router", RouterSettings, setup, no_echo=NO_ECHO)

@@ -98,6 +98,8 @@ def canonical_messages() -> dict[type[Message], Message]:
             prefill_s=0.125,
             max_tokens=512,
             attrs={"label": "math"},
+            cached_prefix_blocks=1,
+            computed=_counts(scale=3),
         ),
         AssembleRequest: AssembleRequest(
             request_id="req-1",

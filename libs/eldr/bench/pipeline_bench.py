@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import time
@@ -33,6 +34,7 @@ from eldr.core.trace import TraceSet, counts_matrix
 from eldr.dev.replayer import ReplayConfig, TraceReplayer
 from eldr.dev.stack import SERVICES, Stack, StackConfig
 from eldr.partitions import blob_sha256, partition_to_blob
+from eldr.runtime import run_async
 from eldr.wire import PartitionAnnouncement, RouterControl, RouterControlReply
 
 log = logging.getLogger(__name__)
@@ -114,6 +116,10 @@ async def drive(config: PipelineConfig, stack: Stack) -> dict[str, Any]:
         workers = [f"decode-{i}" for i in range(config.decoders)]
         await install_partition(bus, calibration, workers, config.seed)
         await wait_routers_ready(bus, config.routers, config.decoders)
+        # The replayer is a Python process too: keep full collections of its start-up
+        # heap from pausing it mid-measurement (see eldr.runtime).
+        gc.collect()
+        gc.freeze()
         for rate in config.rates:
             n = int(rate * config.duration_s)
             replay = TraceReplayer(
@@ -179,7 +185,7 @@ def run(config: PipelineConfig) -> dict[str, Any]:
         log_dir=config.state_dir / "logs",
     )
     with Stack(stack_config) as stack:
-        return asyncio.run(drive(config, stack))
+        return run_async(drive(config, stack))
 
 
 def format_table(result: dict[str, Any]) -> str:

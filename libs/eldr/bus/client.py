@@ -215,6 +215,7 @@ class Bus:
         self._handles: list[_Handle] = []
         self._object_stores: dict[str, Any] = {}
         self._drained = False
+        self._no_echo = False
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -225,10 +226,13 @@ class Bus:
         name: str,
         *,
         registry: CollectorRegistry | None = None,
+        no_echo: bool = False,
     ) -> Bus:
         """Connect to `settings.nats_url` as client `name`, reconnecting forever by default.
 
         Metrics go to `registry` (a fresh private one if None; never the global one).
+        `no_echo`: the server does not deliver this connection's own publishes to its own
+        subscriptions (a router follows every replica's decisions but needs not its own).
         """
         nc = NatsClient()
 
@@ -247,7 +251,7 @@ class Bus:
         async def on_closed() -> None:
             log.info("nats client %s closed", name)
 
-        options = _connect_options(settings, name)
+        options = {**_connect_options(settings, name), "no_echo": no_echo}
         try:
             with _translated(f"connect to {settings.nats_url}"):
                 # nats-py retries the first connect like a reconnect (forever by default).
@@ -266,7 +270,9 @@ class Bus:
                 await nc.close()
             raise
         log.info("nats client %s connected to %s", name, nc.connected_url)
-        return cls(nc, settings, BusMetrics(registry or CollectorRegistry(auto_describe=True)))
+        bus = cls(nc, settings, BusMetrics(registry or CollectorRegistry(auto_describe=True)))
+        bus._no_echo = no_echo
+        return bus
 
     async def __aenter__(self) -> Bus:
         return self
@@ -337,6 +343,14 @@ class Bus:
         still buffered (SUB, PUB), so its PONG does not prove the server saw them. A
         message to our own inbox goes through the same buffer, so its echo does.
         """
+        if self._no_echo:
+            # Our own messages do not come back: ask the server something instead (the
+            # request goes through the same buffer, so its answer proves the same).
+            with _translated("sync with the server"):
+                await self._nc.request(
+                    f"{self._js._prefix}.INFO", b"", timeout=self._settings.request_timeout_s
+                )
+            return
         inbox = self._nc.new_inbox()
         with _translated("sync with the server"):
             sub = await self._nc.subscribe(inbox)

@@ -29,12 +29,14 @@ from typing import Any
 import numpy as np
 
 from eldr.bench.routing_bench import rates_for_batch_targets, stratified_split
-from eldr.bus import Bus, BusError, RemoteError
+from eldr.bus import Bus, BusError, RemoteError, stream_name
+from eldr.bus.topology import DECISIONS
 from eldr.core.synthetic import SyntheticSpec, generate
 from eldr.core.trace import TraceSet
 from eldr.data.profiles import DEFAULT_PROFILE_FOR_TRACES, load_catalog
 from eldr.dev.replayer import ReplayConfig, ReplaySummary, TraceReplayer
 from eldr.dev.stack import Stack, StackConfig
+from eldr.runtime import run_async
 from eldr.settings import BusSettings
 from eldr.wire import (
     RefitReply,
@@ -101,6 +103,11 @@ class DemoResult:
     partition_version: int | None
     refit_message: str
     calibration: dict[str, Any]
+    requests_sent: int
+    """PrefillDone events published over the whole demo (calibration + evaluation)."""
+    decisions_recorded: int
+    """Decisions in the DECISIONS stream: equal to requests_sent when every request was
+    decided exactly once."""
     results: list[PolicyResult]
     wall_s: float
 
@@ -236,6 +243,9 @@ async def drive(config: DemoConfig, settings: BusSettings, traces: TraceSet) -> 
             await wait_idle(bus, config.decoders, timeout_s=120)
             measured = summarize_workers(await worker_stats(bus, config.decoders))
             results.append(_policy_result(policy, summary, measured))
+        # The record of truth: one message per decided request id in DECISIONS (the
+        # first write per request id wins; a second decision could not be stored).
+        decisions = await bus.stream_state(stream_name(settings.namespace, DECISIONS))
     finally:
         await bus.drain()
     return DemoResult(
@@ -254,6 +264,8 @@ async def drive(config: DemoConfig, settings: BusSettings, traces: TraceSet) -> 
         partition_version=reply.version,
         refit_message=reply.message,
         calibration=calibration.as_dict(),
+        requests_sent=calibration.sent + sum(r.sent for r in results),
+        decisions_recorded=decisions.messages,
         results=results,
         wall_s=round(time.perf_counter() - started, 1),
     )
@@ -303,7 +315,7 @@ def run_demo(config: DemoConfig) -> DemoResult:
         log_dir=config.state_dir / "logs",
     )
     with Stack(stack_config) as stack:
-        return asyncio.run(drive(config, stack.bus_settings(), traces))
+        return run_async(drive(config, stack.bus_settings(), traces))
 
 
 def format_result(result: DemoResult) -> str:
@@ -335,6 +347,13 @@ def format_result(result: DemoResult) -> str:
                 f"{100 * (r.tpot_p50_ms / base.tpot_p50_ms - 1):+.1f}%, TPOT P99 "
                 f"{100 * (r.tpot_p99_ms / base.tpot_p99_ms - 1):+.1f}%"
             )
+    lines.append(
+        f"requests sent {result.requests_sent}, decisions recorded {result.decisions_recorded} "
+        "(one per request: none lost, none doubled)"
+        if result.requests_sent == result.decisions_recorded
+        else f"requests sent {result.requests_sent} but decisions recorded "
+        f"{result.decisions_recorded}: NOT exactly once"
+    )
     lines.append(f"demo wall time {result.wall_s} s")
     return "\n".join(lines)
 

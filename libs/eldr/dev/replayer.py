@@ -78,6 +78,10 @@ class ReplayConfig:
     """Send each decided request to its simulated decode worker."""
     max_in_flight: int = 4096
     """Requests between PrefillDone and the end of their DecodeJob, at most."""
+    send_computed: bool = True
+    """Carry the counts of what this prefill computed in the PrefillDone (`computed`, with
+    `cached_prefix_blocks`), so routers ask the signature service only for prefix-cache
+    hits; False: every block's counts come from the signature service."""
     request_id_prefix: str | None = None
     """Request ids are f"{prefix}-{n:06d}"; None = prefill worker + a random run token (the
     DECISIONS stream keeps the first decision per id, so ids must not repeat across runs)."""
@@ -160,6 +164,9 @@ class _Prepared:
     label: str
     blocks: list[BlockSummaryMsg]
     partial: SparseCounts | None
+    block_counts: list[np.ndarray]
+    """Dense [L, E] counts of each full block (to sum what a request computed itself)."""
+    partial_counts: np.ndarray | None
     n_prompt_tokens: int
     decode_ids: NdArray
     decode_tokens: int
@@ -275,6 +282,8 @@ class TraceReplayer:
             label=trace.label,
             blocks=blocks,
             partial=SparseCounts.from_dense(partial.counts) if partial is not None else None,
+            block_counts=[b.counts for b in full if b.block_hash is not None],
+            partial_counts=partial.counts if partial is not None else None,
             n_prompt_tokens=trace.prompt_tokens,
             decode_ids=NdArray.from_numpy(np.ascontiguousarray(trace.decode, EXPERT_ID_DTYPE)),
             decode_tokens=trace.decode_tokens,
@@ -425,6 +434,15 @@ class TraceReplayer:
         self, record: RequestRecord, prepared: _Prepared, state: _RunState
     ) -> Decision | None:
         geometry = self.traces.geometry
+        cached = len(prepared.blocks) - record.blocks_published
+        computed: SparseCounts | None = None
+        if self.config.send_computed:
+            total = np.zeros((geometry.num_moe_layers, geometry.num_experts), dtype=np.uint32)
+            for counts in prepared.block_counts[cached:]:
+                total += counts
+            if prepared.partial_counts is not None:
+                total += prepared.partial_counts
+            computed = SparseCounts.from_dense(total)
         event = PrefillDone(
             request_id=record.request_id,
             model=self.config.model,
@@ -439,6 +457,8 @@ class TraceReplayer:
             reply_to=self.inbox,
             max_tokens=prepared.decode_tokens,
             attrs={"label": prepared.label[:1024]},
+            cached_prefix_blocks=cached,
+            computed=computed,
         )
         waiter: asyncio.Future[tuple[Decision, float]] = asyncio.get_running_loop().create_future()
         state.waiters[record.request_id] = waiter

@@ -138,9 +138,22 @@ class PrefillDone(Message, frozen=True, tag="prefill_done"):
         default_factory=dict
     )
     """Small free-form labels (workload label, tenant) for replay and analysis."""
+    cached_prefix_blocks: Count = 0
+    """How many leading `block_hashes` were prefix-cache hits, i.e. not computed (and so not
+    routed) by this prefill. Prefix caching reuses prefixes, so the hits always lead."""
+    computed: SparseCounts | None = None
+    """Expert counts of everything this prefill computed: the full blocks after the cached
+    prefix plus the trailing partial block. When set, a router adds the signature service's
+    sum over the cached prefix only (none at all when nothing was cached); when None, it
+    asks for every block and adds `partial`."""
 
     def __post_init__(self) -> None:
         require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
+        require(
+            self.cached_prefix_blocks <= len(self.block_hashes),
+            f"cached_prefix_blocks {self.cached_prefix_blocks} > {len(self.block_hashes)} blocks",
+        )
+        _require_shape(self.computed, self.num_moe_layers, self.num_experts, "computed")
         require(
             len(self.block_hashes) == self.n_prompt_tokens // self.block_size,
             f"{len(self.block_hashes)} block hashes for {self.n_prompt_tokens} prompt tokens "
