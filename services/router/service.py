@@ -353,6 +353,9 @@ class RouterService:
             signature=None if counts is None else SparseCounts.from_dense(counts),
             missing_blocks=missing,
             decide_s=time.perf_counter() - taken,
+            rng_seed=outcome.rng_seed,
+            fleet=list(outcome.fleet),
+            prompt_tokens=msg.n_prompt_tokens,
         )
         try:
             await self.bus.js_publish(subject, decision, expected_last_subject_seq=0)

@@ -8,10 +8,8 @@ accepted requests finish for `simdecode_drain_grace_s`, abandon the rest.
 
 from __future__ import annotations
 
-import asyncio
-
 from eldr.data.profiles import load_catalog
-from eldr.runtime import ServiceContext, run_service, service_main
+from eldr.runtime import ServiceContext, service_main
 
 from .host import HostConfig, SimDecodeHost, SimDecodeMetrics
 from .settings import SimDecodeSettings
@@ -43,25 +41,6 @@ async def setup(ctx: ServiceContext[SimDecodeSettings]) -> None:
 
     ctx.on_stopping(drain)
     ctx.set_ready()
-
-
-async def serve(
-    settings: SimDecodeSettings,
-    *,
-    stop: asyncio.Event | None = None,
-    ready: asyncio.Event | None = None,
-    install_signal_handlers: bool = True,
-) -> None:
-    """Run until `stop` is set (tests) or SIGTERM/SIGINT, then drain; `ready` is set
-    once the workers serve."""
-    await run_service(
-        NAME,
-        settings,
-        setup,
-        stop=stop,
-        ready=ready,
-        install_signal_handlers=install_signal_handlers,
-    )
 
 
 def main() -> int:

@@ -19,7 +19,7 @@ from eldr.core.synthetic import SyntheticSpec, generate
 from eldr.core.trace import TraceSet
 from eldr.data.traces import load_trace_dir
 from eldr.dev.replayer import ReplayConfig, ReplaySummary, TraceReplayer
-from eldr.runtime import ServiceContext, run_service, service_main
+from eldr.runtime import ServiceContext, service_main
 
 from .settings import SimPrefillSettings
 
@@ -145,23 +145,6 @@ async def setup(ctx: ServiceContext[SimPrefillSettings]) -> None:
         await replayer.close()
 
     ctx.on_stopping(drain)
-
-
-async def serve(
-    settings: SimPrefillSettings,
-    *,
-    stop: asyncio.Event | None = None,
-    ready: asyncio.Event | None = None,
-    install_signal_handlers: bool = True,
-) -> None:
-    await run_service(
-        NAME,
-        settings,
-        setup,
-        stop=stop,
-        ready=ready,
-        install_signal_handlers=install_signal_handlers,
-    )
 
 
 def main() -> int:

@@ -21,6 +21,7 @@ from eldr.core.blocks import hash_chain, trace_token_ids
 from eldr.core.synthetic import SyntheticSpec, generate
 from eldr.core.trace import TraceSet, expert_counts
 from eldr.dev.replayer import ReplayConfig, TraceReplayer
+from eldr.runtime import run_service
 from eldr.settings import BusSettings, RetentionSettings
 from eldr.wire import (
     BlockSummaryBatch,
@@ -31,7 +32,7 @@ from eldr.wire import (
     PrefillDone,
     SparseCounts,
 )
-from eldr_services.simdecode.service import serve
+from eldr_services.simdecode.service import setup as simdecode_setup
 from eldr_services.simdecode.settings import SimDecodeSettings
 
 pytestmark = pytest.mark.integration
@@ -136,7 +137,14 @@ async def simdecode(bus_settings: BusSettings, retention: RetentionSettings) -> 
     )
     stop, ready = asyncio.Event(), asyncio.Event()
     task = asyncio.create_task(
-        serve(settings, stop=stop, ready=ready, install_signal_handlers=False)
+        run_service(
+            "simdecode",
+            settings,
+            simdecode_setup,
+            stop=stop,
+            ready=ready,
+            install_signal_handlers=False,
+        )
     )
     await asyncio.wait_for(ready.wait(), timeout=WAIT_S)
     yield
@@ -316,7 +324,7 @@ async def test_job_refusal_is_recorded(bus: Bus, traces: TraceSet) -> None:
 async def test_simprefill_service_replays_its_count_and_stops(
     bus: Bus, bus_settings: BusSettings, retention: RetentionSettings
 ) -> None:
-    from eldr_services.simprefill.service import serve as serve_simprefill
+    from eldr_services.simprefill.service import setup as simprefill_setup
     from eldr_services.simprefill.settings import SimPrefillSettings
 
     router = StandInRouter(bus)
@@ -334,7 +342,14 @@ async def test_simprefill_service_replays_its_count_and_stops(
     )
     stop, ready = asyncio.Event(), asyncio.Event()
     task = asyncio.create_task(
-        serve_simprefill(settings, stop=stop, ready=ready, install_signal_handlers=False)
+        run_service(
+            "simprefill",
+            settings,
+            simprefill_setup,
+            stop=stop,
+            ready=ready,
+            install_signal_handlers=False,
+        )
     )
     await asyncio.wait_for(ready.wait(), timeout=WAIT_S)
     await router.wait_events(5)

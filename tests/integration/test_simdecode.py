@@ -12,6 +12,7 @@ import pytest
 
 from eldr.bus import Bus, Delivery
 from eldr.core.trace import expert_counts
+from eldr.runtime import run_service
 from eldr.settings import BusSettings, RetentionSettings
 from eldr.wire import (
     DecodeJob,
@@ -22,7 +23,7 @@ from eldr.wire import (
     SimStats,
     SimStatsRequest,
 )
-from eldr_services.simdecode.service import serve
+from eldr_services.simdecode.service import setup as simdecode_setup
 from eldr_services.simdecode.settings import SimDecodeSettings
 
 pytestmark = pytest.mark.integration
@@ -64,7 +65,14 @@ async def simdecode(
         settings = SimDecodeSettings(**fields)  # type: ignore[arg-type]
         stop, ready = asyncio.Event(), asyncio.Event()
         task = asyncio.create_task(
-            serve(settings, stop=stop, ready=ready, install_signal_handlers=False)
+            run_service(
+                "simdecode",
+                settings,
+                simdecode_setup,
+                stop=stop,
+                ready=ready,
+                install_signal_handlers=False,
+            )
         )
         ready_wait = asyncio.create_task(ready.wait())
         await asyncio.wait({task, ready_wait}, timeout=WAIT_S, return_when="FIRST_COMPLETED")

@@ -132,6 +132,9 @@ def canonical_messages() -> dict[type[Message], Message]:
             signature=counts,
             missing_blocks=1,
             decide_s=0.0004,
+            rng_seed=2**63 - 1,
+            fleet=[("decode-1", 5, 1200), ("decode-3", 2, 800)],
+            prompt_tokens=40,
         ),
         LoadReport: LoadReport(
             worker_id="decode-3",

@@ -133,6 +133,13 @@ class RoundRobin(Policy):
         self._next_id = view.workers[(idx + 1) % n]
         return Choice(index=idx)
 
+    def resume_after(self, worker_id: str, workers: tuple[str, ...]) -> None:
+        """Continue the cycle as if `worker_id` had just been chosen among `workers` (a
+        replay that starts in the middle of a router's decisions)."""
+        idx = workers.index(worker_id)
+        self._cursor = idx + 1
+        self._next_id = workers[(idx + 1) % len(workers)]
+
 
 class RandomChoice(Policy):
     name = "random"

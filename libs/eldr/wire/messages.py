@@ -51,6 +51,8 @@ AttrKey = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 AttrValue = Annotated[str, msgspec.Meta(max_length=MAX_ATTR_VALUE_LEN)]
 ParamValue = FiniteFloat | int | Annotated[str, msgspec.Meta(max_length=MAX_ID_LEN)]
 ScoredWorker = tuple[Token, FiniteFloat]
+WorkerLoads = tuple[Token, Count, Count]
+"""(worker, in-flight requests, KV tokens)."""
 
 
 def _require_shape(counts: SparseCounts | None, n_layers: int, n_experts: int, what: str) -> None:
@@ -240,6 +242,18 @@ class Decision(Message, frozen=True, tag="decision"):
     """Full blocks whose summaries the signature service did not have."""
     decide_s: DurationS
     """Time from taking the PrefillDone to publishing this decision, seconds."""
+    rng_seed: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)] | None = None
+    """Seed of the decision's own generator (`eldr.core.router.DecisionRng`), which drew
+    every tie-break and random choice of this decision: a replay re-creates them from it.
+    None in records written before the field existed."""
+    fleet: Annotated[list[WorkerLoads], msgspec.Meta(max_length=MAX_WORKERS)] = msgspec.field(
+        default_factory=list
+    )
+    """Every live worker as the router saw it: (worker, in-flight requests, KV tokens), in
+    the router's order. `loads` holds the policy's measure of the same workers; this holds
+    both, so a replay can switch the load measure. Empty in older records."""
+    prompt_tokens: Count | None = None
+    """Prompt tokens of the request (what an assignment adds to a worker's KV load)."""
 
 
 class LoadReport(Message, frozen=True, tag="load_report"):
