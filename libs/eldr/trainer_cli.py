@@ -5,7 +5,9 @@
 Sends a `RefitRequest` on `{ns}.trainer.refit` and prints the trainer's `RefitReply`.
 NATS settings come from the environment (`ELDR_NATS_URL`, `ELDR_NAMESPACE`, ...). Exit
 status: 0 when a version was published, 3 when the trainer skipped the refit (too few
-requests, no live workers), 1 on an error or when no trainer answered.
+requests, no live workers), 4 when it fitted a candidate but its shadow evaluation kept
+the active version (with `ELDR_SHADOW_GATE_REQUESTS`; the message says why), 1 on an
+error or when no trainer answered.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_SKIPPED = 3
+EXIT_REJECTED = 4
 DEFAULT_TIMEOUT_S = 300.0
 
 
@@ -92,4 +95,6 @@ async def refit(reason: str, k: int | None, timeout_s: float) -> int:
     print(f"status: {reply.status}\nversion: {version}\n{reply.message}")
     if reply.status == "ok":
         return EXIT_OK
+    if reply.status == "rejected":
+        return EXIT_REJECTED
     return EXIT_SKIPPED if reply.status == "skipped" else EXIT_ERROR

@@ -40,6 +40,7 @@ from eldr.wire import (
     AssembleReply,
     AssembleRequest,
     Decision,
+    DecodeProfile,
     LoadReport,
     PartitionAnnouncement,
     PartitionBlob,
@@ -47,12 +48,16 @@ from eldr.wire import (
     RouterControl,
     RouterControlReply,
     SparseCounts,
+    WireError,
 )
 
+from .load_metrics import LoadTableCollector
 from .settings import RouterSettings
 
 log = logging.getLogger(__name__)
 
+REPLY_PREFIX = "_INBOX."
+"""Requesters wait on inboxes: a PrefillDone.reply_to outside them is never answered."""
 LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5)
 
 
@@ -112,6 +117,12 @@ class RouterMetrics:
             ["outcome"],
             registry=r,
         )
+        self.activity_requests = Gauge(
+            "eldr_router_activity_requests",
+            "In-flight requests whose predicted experts cost-aware routing counts against "
+            "their workers (assigned, decode profile not yet seen).",
+            registry=r,
+        )
         # Pre-create the bounded label sets so dashboards see zeros.
         for reason in ("none", *FALLBACK_REASONS):
             self.decisions.labels(ctx.settings.policy, reason)
@@ -127,11 +138,13 @@ class RouterService:
         self.topology = build_topology(s.namespace, s)
         self.metrics = RouterMetrics(ctx)
         self.table = LoadTable(stale_after_s=s.stale_after_s, pending_ttl_s=s.pending_ttl_s)
+        ctx.registry.register(LoadTableCollector(self.table))
         self.core = RouterCore(
             PolicySpec(name=s.policy, tau=s.tau, load_measure=s.load_measure),
             self.table,
             np.random.default_rng([s.seed, zlib.crc32(s.instance_id.encode())]),
             max_scores=s.max_scores,
+            activity_ttl_s=s.activity_ttl_s,
         )
         self._latest_announcement: tuple[int, PartitionAnnouncement] | None = None
         self._loaded_seq = 0
@@ -160,7 +173,20 @@ class RouterService:
 
     async def on_decision(self, msg: Decision, _: Delivery) -> None:
         # Every replica's decisions (ours included: setdefault makes that a no-op).
-        self.table.on_assignment(msg.worker_id, msg.request_id, 0, time.monotonic())
+        now = time.monotonic()
+        self.table.on_assignment(msg.worker_id, msg.request_id, 0, now)
+        if msg.signature is not None and self.core.policy.uses_activity:
+            self.core.note_assignment(
+                msg.worker_id,
+                msg.request_id,
+                msg.signature.to_dense(np.uint32),
+                msg.prompt_tokens or 0,
+                now,
+            )
+
+    async def on_profile(self, msg: DecodeProfile, _: Delivery) -> None:
+        # A finished request: its experts no longer weigh on its worker's steps.
+        self.core.note_finished(msg.request_id)
 
     async def on_announcement(self, msg: PartitionAnnouncement, delivery: Delivery) -> None:
         seq = delivery.stream_seq or 0
@@ -205,9 +231,13 @@ class RouterService:
     async def expire_loop(self) -> None:
         period = min(0.25, self.settings.stale_after_s / 4)
         while not self.ctx.stopping.is_set():
-            removed = self.table.expire(time.monotonic())
+            now = time.monotonic()
+            removed = self.table.expire(now)
             for wid in removed:
                 log.warning("decode worker %s went stale and left the load table", wid)
+                self.core.activity.remove_worker(wid)
+            self.core.activity.expire(now)
+            self.metrics.activity_requests.set(len(self.core.activity))
             self.metrics.live_workers.set(len(self.table))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.ctx.stopping.wait(), timeout=period)
@@ -247,7 +277,7 @@ class RouterService:
             cached = msg.block_hashes[: msg.cached_prefix_blocks]
             if not cached:
                 return computed, 0, None  # nothing came from a prefix cache
-            if not (self.settings.fetch_signature or self.core.policy.uses_signature):
+            if not (self.settings.fetch_signature or self.core.policy.needs_signature):
                 return None, len(cached), "no_signature"
             counts, missing, reason = await self.fetch_signature(msg, cached, None)
             if counts is None:
@@ -258,7 +288,7 @@ class RouterService:
             if msg.partial is None:
                 return None, 0, "empty_signature"
             return msg.partial.to_dense(np.uint32), 0, None
-        if not (self.settings.fetch_signature or self.core.policy.uses_signature):
+        if not (self.settings.fetch_signature or self.core.policy.needs_signature):
             return None, len(msg.block_hashes), "no_signature"
         return await self.fetch_signature(msg, msg.block_hashes, msg.partial)
 
@@ -288,13 +318,24 @@ class RouterService:
             reason = "signature_timeout"
         except NoRespondersError:
             reason = "signature_unavailable"
-        except BusError as exc:  # RemoteError included
+        except (BusError, WireError) as exc:  # RemoteError included; WireError: a reply
+            # this router cannot read (a newer schema mid-upgrade, a broken replica) must
+            # cost the request its signature, not its decision.
             log.warning("signature for %s failed: %s", msg.request_id, exc)
             reason = "signature_error"
         else:
             missing = reply.blocks_total - reply.blocks_found
+            expected = [msg.num_moe_layers, msg.num_experts]
             if reply.counts is None:
                 reason = "no_signature"
+            elif reply.counts.shape != expected:
+                log.warning(
+                    "signature for %s has shape %s, the request %s",
+                    msg.request_id,
+                    reply.counts.shape,
+                    expected,
+                )
+                reason = "signature_error"
             else:
                 counts = reply.counts.to_numpy()
         self.metrics.signature_seconds.observe(time.perf_counter() - started)
@@ -323,6 +364,12 @@ class RouterService:
             signature_error=sig_error,
         )
         deadline = time.monotonic() + self.settings.no_worker_wait_s
+        # Held events keep their delivery: JetStream is told they are in progress well
+        # within its ack wait. (Handing them back after a short wait spent one of the
+        # consumer's max_deliver deliveries per wait, so a decode fleet down for ~15 s had
+        # its waiting requests dead-lettered: found by tests/faults.)
+        progress_every_s = self.settings.router_ack_wait_s / 3
+        next_progress = time.monotonic() + progress_every_s
         while True:
             try:
                 outcome = self.core.decide(request, time.monotonic())
@@ -330,13 +377,20 @@ class RouterService:
             except NoLiveWorkersError as exc:
                 # Hold the request while a worker may come back (every load report wakes
                 # us), then hand it back to JetStream for a later redelivery.
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                now = time.monotonic()
+                remaining = deadline - now
+                if remaining <= 0 or self.ctx.stopping.is_set():
                     self.metrics.no_live_workers.inc()
                     raise Retry(str(exc), delay_s=self.settings.no_worker_retry_s) from exc
+                if now >= next_progress and delivery.in_progress is not None:
+                    await delivery.in_progress()
+                    next_progress = now + progress_every_s
                 self._report_arrived.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._report_arrived.wait(), timeout=remaining)
+                    await asyncio.wait_for(
+                        self._report_arrived.wait(),
+                        timeout=min(remaining, max(0.0, next_progress - now)),
+                    )
         decision = Decision(
             request_id=msg.request_id,
             ts_s=time.time(),
@@ -365,9 +419,12 @@ class RouterService:
                 raise Retry("decision vanished after a conflict", delay_s=0.1) from None
             await self._answer(msg, existing, already=True)
             return
-        self.table.on_assignment(
-            decision.worker_id, msg.request_id, msg.n_prompt_tokens, time.monotonic()
-        )
+        now = time.monotonic()
+        self.table.on_assignment(decision.worker_id, msg.request_id, msg.n_prompt_tokens, now)
+        if self.core.policy.uses_activity:
+            self.core.note_assignment(
+                decision.worker_id, msg.request_id, counts, msg.n_prompt_tokens, now
+            )
         self.metrics.decisions.labels(outcome.policy, outcome.fallback or "none").inc()
         self.metrics.decision_seconds.observe(time.perf_counter() - taken)
         await self._answer(msg, decision, already=False)
@@ -380,7 +437,17 @@ class RouterService:
                 msg.request_id,
                 decision.worker_id,
             )
-        if msg.reply_to:
+        if msg.reply_to and not msg.reply_to.startswith(REPLY_PREFIX):
+            # The router publishes with its own rights, which include `decisions.*`: an
+            # event naming another request's decision subject as its reply_to would have it
+            # write a second, unchecked decision there (the stream records core publishes).
+            log.warning(
+                "request %s: reply_to %r is not an inbox (%s...): not answered",
+                msg.request_id,
+                msg.reply_to[:80],
+                REPLY_PREFIX,
+            )
+        elif msg.reply_to:
             try:
                 await self.bus.publish(msg.reply_to, decision)
             except BusError as exc:  # the decision is committed; the requester can read it
@@ -396,6 +463,7 @@ async def setup(ctx: ServiceContext[RouterSettings]) -> None:
     bus, subjects, topo = ctx.bus, ctx.bus.subjects, svc.topology
     await bus.subscribe(subjects.load_all, LoadReport, svc.on_load_report)
     await bus.subscribe(subjects.decisions_all, Decision, svc.on_decision)
+    await bus.subscribe(subjects.profiles_all, DecodeProfile, svc.on_profile)
     tasks = [
         asyncio.create_task(svc.partition_loader(), name="partition-loader"),
         asyncio.create_task(svc.expire_loop(), name="expire-loop"),

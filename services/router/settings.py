@@ -6,15 +6,22 @@ from typing import Literal
 
 from pydantic import Field
 
-from eldr.core.policies import POLICY_NAMES
+from eldr.core.policies import DEFAULT_POLICY, PAPER_POLICY, POLICY_NAMES
 from eldr.settings import CommonSettings
 
 
 class RouterSettings(CommonSettings):
     policy: str = Field(
-        default="eldr",
+        default=DEFAULT_POLICY,
         description=f"Routing policy: one of {', '.join(POLICY_NAMES[:-1])} "
-        "(oracle is for benchmarks only).",
+        f"(oracle is for benchmarks only). Default {DEFAULT_POLICY}: cost-model-aware "
+        f"locality (docs/ONLINE.md); {PAPER_POLICY} is the ELDR paper's band rule.",
+    )
+    activity_ttl_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="Cost-aware routing counts a request's experts against its worker until "
+        "its decode profile arrives, or for at most this long.",
     )
     tau: float = Field(default=0.1, ge=0.0, le=2.0, description="ELDR locality-band width.")
     load_measure: Literal["requests", "kv_tokens"] = Field(
@@ -54,10 +61,13 @@ class RouterSettings(CommonSettings):
         default=64, ge=1, description="PrefillDone events handled concurrently per replica."
     )
     no_worker_wait_s: float = Field(
-        default=2.0,
+        default=300.0,
         ge=0,
         description="How long a request waits in the router for a live decode worker before "
-        "it goes back to JetStream (keep below the router consumer's ack wait).",
+        "it goes back to JetStream (meanwhile JetStream is told every third of the ack wait "
+        "that it is in progress, so it is not redelivered). Each hand-back spends one of "
+        "router_max_deliver deliveries: keep max_deliver x this above prefill_max_age_s, so "
+        "a decode fleet outage never dead-letters a waiting request.",
     )
     no_worker_retry_s: float = Field(
         default=1.0, gt=0, description="Redelivery delay after that wait."

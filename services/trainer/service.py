@@ -6,14 +6,31 @@ start the training window (`eldr.core.trainwindow`) is rebuilt by replaying the 
 `window_max_age_s` of DECISIONS and PROFILES (and the last `worker_ttl_s` of LOAD); the
 same replays then deliver live messages.
 
-A refit (on a `RefitRequest` on `{ns}.trainer.refit`, or every `refit_interval_s`) fits
-a partition with `eldr.core.partition.fit_partition` in a worker thread, aligned to the
-active version so that traffic moves as little as possible, then:
+A refit fits a partition with `eldr.core.partition.fit_partition` in a worker thread,
+aligned to the active version so that traffic moves as little as possible. Triggers
+(`eldr.core.online.refit_trigger`): a `RefitRequest` on `{ns}.trainer.refit` ("request"),
+every `refit_interval_s` ("schedule"), the live decode workers differing from the active
+version's once the set has settled ("churn": a worker joined or left), or the drift
+monitor seeing recent requests sit worse against the active version than its baseline
+("drift"; `eldr.core.online.DriftMonitor`).
 
-1. stores it as a new, immutable version and activates it, in one transaction under the
-   partition write lock (`eldr.partition_writer`): the database numbers versions;
-2. puts its `PartitionBlob` in the object store bucket `{ns}-partitions` as `v{version}`;
-3. announces it on `{ns}.partition.active` (JetStream PARTITIONS).
+Scheduled and drift refits are gated (`shadow_gate`): a share of the window's requests
+(by a hash of the request id) is held out of the fit, and both the active version and
+the candidate route those requests in a shadow evaluation modelled on the cost model
+(`eldr.core.online.shadow_evaluate`); the candidate is promoted only if its modelled
+expert union is lower. Churn refits, the first version and operator requests are promoted
+without a gate (the reason says so). Then:
+
+1. a promoted candidate is stored as a new, immutable version and activated, in one
+   transaction under the partition write lock (`eldr.partition_writer`): the database
+   numbers versions; a rejected one is stored with status "rejected" and the active
+   version is untouched. Either way the version's note says why (the trigger, and the
+   shadow evaluation's numbers or why there was none), and so do the `RefitReply`, the
+   log and the metrics (`eldr_trainer_refits_total{outcome="rejected"}`,
+   `eldr_trainer_shadow_union_per_layer`);
+2. a promoted version's `PartitionBlob` goes to the object store bucket
+   `{ns}-partitions` as `v{version}`;
+3. and is announced on `{ns}.partition.active` (JetStream PARTITIONS).
 
 Nothing is announced that is not stored. If the database is down the refit fails (logged,
 counted) and the next one tries again; if a stored version could not be announced, the
@@ -29,6 +46,7 @@ import math
 import time
 from dataclasses import dataclass
 
+import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
 from sqlalchemy import Engine, make_url
 from sqlalchemy.exc import SQLAlchemyError
@@ -36,11 +54,26 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from eldr.bus import BusError, Delivery, build_topology
 from eldr.bus.topology import DECISIONS, LOAD, PARTITIONS, PROFILES
-from eldr.core.partition import FitReport, fit_partition
+from eldr.core.online import (
+    DriftBaseline,
+    DriftMonitor,
+    DriftStatus,
+    DriftThresholds,
+    ShadowResult,
+    Verdict,
+    holdout_mask,
+    per_token_activation,
+    prefill_activation,
+    promotion_verdict,
+    refit_trigger,
+    shadow_evaluate,
+)
+from eldr.core.partition import FitReport, Partition, fit_partition
 from eldr.core.trace import ModelGeometry
 from eldr.core.trainwindow import (
     LiveWorkers,
     SparseRow,
+    TrainingSet,
     TrainingWindow,
     WindowSnapshot,
     pick_workers,
@@ -51,6 +84,7 @@ from eldr.partition_writer import (
     blob_for_version,
     load_active,
     write_active_version,
+    write_rejected_version,
 )
 from eldr.partitions import partition_from_record
 from eldr.runtime import ServiceContext, service_main
@@ -74,6 +108,10 @@ TRAINER_QUEUE = "trainer"
 """Queue group on `{ns}.trainer.refit`: one trainer replica answers each request."""
 FIT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TICK_S = 1.0
+MIN_SHADOW_BATCH = 8.0
+"""Smallest per-worker batch a shadow evaluation models (see `_shadow_batch`)."""
+TRIGGERS = ("request", "schedule", "drift", "churn")
+OUTCOMES = ("ok", "skipped", "error", "rejected")
 
 
 class TrainerMetrics:
@@ -81,8 +119,41 @@ class TrainerMetrics:
         r = ctx.registry
         self.refits = Counter(
             "eldr_trainer_refits_total",
-            "Refits by trigger (request, schedule) and outcome (ok, skipped, error).",
+            "Refits by trigger (request, schedule, drift, churn) and outcome (ok: a version "
+            "was promoted; rejected: the shadow evaluation kept the active version; "
+            "skipped; error).",
             ["trigger", "outcome"],
+            registry=r,
+        )
+        self.shadow_union = Gauge(
+            "eldr_trainer_shadow_union_per_layer",
+            "Last shadow evaluation: modelled distinct experts per MoE layer per step of the "
+            "held-out requests under the active version and the candidate.",
+            ["partition"],
+            registry=r,
+        )
+        self.last_rejected_version = Gauge(
+            "eldr_trainer_last_rejected_version",
+            "The last version the shadow evaluation rejected (0: none).",
+            registry=r,
+        )
+        self.drift_similarity = Gauge(
+            "eldr_trainer_drift_best_similarity",
+            "Mean cosine of recent requests to their nearest centroid of the active version "
+            "(and, for baseline, the value the version was fitted with).",
+            ["window"],
+            registry=r,
+        )
+        self.drift_skew = Gauge(
+            "eldr_trainer_drift_occupancy_skew",
+            "Total-variation distance from uniform of recent requests' nearest-worker "
+            "occupancy under the active version (and its baseline).",
+            ["window"],
+            registry=r,
+        )
+        self.drift_detected = Gauge(
+            "eldr_trainer_drift_detected",
+            "1 while the drift monitor says the active version no longer fits the traffic.",
             registry=r,
         )
         self.refit_errors = Counter(
@@ -131,9 +202,14 @@ class TrainerMetrics:
         self.last_fit_samples = Gauge(
             "eldr_trainer_last_fit_samples", "Training requests of the last fit.", registry=r
         )
-        for trigger in ("request", "schedule"):
-            for outcome in ("ok", "skipped", "error"):
+        for trigger in TRIGGERS:
+            for outcome in OUTCOMES:
                 self.refits.labels(trigger, outcome)
+        for which in ("active", "candidate"):
+            self.shadow_union.labels(which)
+        for window in ("recent", "baseline"):
+            self.drift_similarity.labels(window)
+            self.drift_skew.labels(window)
         for stage in ("database", "lock", "fit", "publish", "internal"):
             self.refit_errors.labels(stage)
         for profile in ("with", "without"):
@@ -158,6 +234,10 @@ class FitOutcome:
     workers: tuple[str, ...]
     n_window: int
     n_with_profile: int
+    verdict: Verdict
+    shadow: ShadowResult | None
+    partition: Partition
+    previous_version: int | None
 
 
 class TrainerService:
@@ -178,6 +258,16 @@ class TrainerService:
         self._unannounced: StoredVersion | None = None
         self._added_at_last_fit: int | None = None
         self.db_shown = make_url(s.database_url).render_as_string(hide_password=True)
+        self.active: Partition | None = None
+        """The active version as this trainer last stored or found it (drift, churn)."""
+        self.monitor: DriftMonitor | None = None
+        self.in_flight: dict[str, int] = {}
+        """Per decode worker, running + waiting requests of its last load report."""
+        self._last_fit_mono: float | None = None
+        self._drift_cut_s = -math.inf
+        """Requests before this (Unix s) are what drifted away: no later fit uses them."""
+        self._live: tuple[str, ...] = ()
+        self._live_since_mono = time.monotonic()
 
     # --- inputs ----------------------------------------------------------------------------
 
@@ -194,6 +284,9 @@ class TrainerService:
                 _sparse_row(msg.signature),
                 delivery.timestamp_s or time.time(),
             )
+            monitor = self.monitor
+            if outcome == "added" and monitor is not None and msg.model == monitor.model:
+                monitor.observe(msg.signature.to_dense(np.float32))
         self.metrics.inputs.labels("decision", outcome).inc()
         self._window_gauges()
 
@@ -209,6 +302,7 @@ class TrainerService:
         self.live.on_report(
             msg.worker_id, delivery.timestamp_s or time.time(), draining=msg.draining
         )
+        self.in_flight[msg.worker_id] = msg.running + msg.waiting
 
     def workers(self, now_s: float) -> tuple[str, ...]:
         """The decode workers a refit would use: the fixed list if set, else the live ones."""
@@ -248,6 +342,7 @@ class TrainerService:
             return reply
 
     async def _refit(self, reason: str, k: int | None, trigger: str) -> RefitReply:
+        self._last_fit_mono = time.monotonic()
         now_s = time.time()
         self.window.expire(now_s)
         self._window_gauges()
@@ -260,21 +355,86 @@ class TrainerService:
         snapshot = self.window.snapshot(self.settings.model)
         self._check_preconditions(snapshot, live, k)
         assert snapshot is not None
+        since_s = self._drift_cut_s
+        if trigger == "drift":
+            since_s = max(since_s, now_s - self.settings.drift_fit_max_age_s)
+        if since_s > -math.inf:
+            snapshot = self._recent(snapshot, since_s, live)
         added_total = self.window.added_total
-        outcome = await asyncio.to_thread(self._fit_and_store, snapshot, live, k, reason)
+        outcome = await asyncio.to_thread(self._fit_and_store, snapshot, live, k, reason, trigger)
         self._added_at_last_fit = added_total
         self._observe_fit(outcome)
-        await self._announce(outcome.stored)
         report = outcome.report
         moved = "n/a" if report.moved_share is None else f"{100 * report.moved_share:.1f}%"
+        fitted = (
+            f"{report.n_train} requests ({outcome.n_with_profile} with decode profiles), "
+            f"{len(outcome.workers)} workers, {report.kept_layers}/{report.of_layers} layers, "
+            f"moved {moved}, fit {outcome.fit_s:.3g} s"
+        )
+        if not outcome.verdict.promote:
+            kept = outcome.previous_version
+            message = (
+                f"version {outcome.stored.version} ({snapshot.model}) {outcome.verdict.reason}; "
+                f"version {kept} stays active ({fitted})"
+            )
+            log.warning("refit (%s, %s): %s", trigger, reason, message)
+            return RefitReply(version=None, status="rejected", message=message)
+        self._set_active(outcome.partition)
+        if trigger == "drift":
+            self._drift_cut_s = since_s
+        await self._announce(outcome.stored)
         message = (
-            f"version {outcome.stored.version} ({snapshot.model}): {report.n_train} requests "
-            f"({outcome.n_with_profile} with decode profiles), {len(outcome.workers)} workers, "
-            f"{report.kept_layers}/{report.of_layers} layers, moved {moved}, "
-            f"fit {outcome.fit_s:.3g} s"
+            f"version {outcome.stored.version} ({snapshot.model}): {fitted}; "
+            f"{outcome.verdict.reason}"
         )
         log.info("refit (%s, %s): %s", trigger, reason, message)
         return RefitReply(version=outcome.stored.version, status="ok", message=message)
+
+    def _recent(
+        self, snapshot: WindowSnapshot, since_s: float, live: tuple[str, ...]
+    ) -> WindowSnapshot:
+        """The snapshot's requests newer than `since_s`, if there are enough for a fit."""
+        recent = tuple(x for x in snapshot.samples if x.ts_s >= since_s)
+        if len(recent) < max(self.settings.min_samples, len(live)):
+            return snapshot
+        return WindowSnapshot(snapshot.model, snapshot.shape, recent)
+
+    def _set_active(self, partition: Partition) -> None:
+        """Track the active version: the drift monitor measures against it."""
+        self.active = partition
+        s = self.settings
+        if not s.drift_detection:
+            self.monitor = None
+            return
+        baseline = DriftBaseline.from_metrics(partition.metrics)
+        self.monitor = DriftMonitor(
+            partition,
+            baseline,
+            window=max(s.drift_window, s.drift_min_samples),
+            thresholds=DriftThresholds(
+                max_similarity_drop=s.drift_max_similarity_drop,
+                max_skew_rise=s.drift_max_skew_rise,
+                min_samples=s.drift_min_samples,
+            ),
+        )
+        if baseline is not None:
+            self.metrics.drift_similarity.labels("baseline").set(baseline.best_similarity)
+            self.metrics.drift_skew.labels("baseline").set(baseline.occupancy_skew)
+
+    def drift_status(self) -> DriftStatus | None:
+        """The monitor's verdict now (None without an active version or monitoring)."""
+        if self.monitor is None:
+            return None
+        status = self.monitor.status()
+        m = self.metrics
+        if self.monitor.baseline is not None:
+            m.drift_similarity.labels("baseline").set(self.monitor.baseline.best_similarity)
+            m.drift_skew.labels("baseline").set(self.monitor.baseline.occupancy_skew)
+        if status.samples and status.best_similarity == status.best_similarity:
+            m.drift_similarity.labels("recent").set(status.best_similarity)
+            m.drift_skew.labels("recent").set(status.occupancy_skew)
+        m.drift_detected.set(1.0 if status.drifted else 0.0)
+        return status
 
     def _check_preconditions(
         self, snapshot: WindowSnapshot | None, live: tuple[str, ...], k: int | None
@@ -292,9 +452,14 @@ class TrainerService:
             raise RefitSkipped(f"{n} request(s){what} in the window, a refit needs {needed}")
 
     def _fit_and_store(
-        self, snapshot: WindowSnapshot, live: tuple[str, ...], k: int | None, reason: str
+        self,
+        snapshot: WindowSnapshot,
+        live: tuple[str, ...],
+        k: int | None,
+        reason: str,
+        trigger: str,
     ) -> FitOutcome:
-        """Runs in a worker thread: read the active version, fit, store and activate."""
+        """Runs in a worker thread: read the active version, fit, gate, store."""
         sessions = self._database()
         try:
             previous = load_active(sessions, snapshot.model)
@@ -310,11 +475,18 @@ class TrainerService:
         L, E = snapshot.shape
         geometry = ModelGeometry(num_layers=L, moe_layers=tuple(range(L)), num_experts=E, top_k=1)
         s = self.settings
+        forced = self._ungated_because(previous, workers, trigger)
+        held = (
+            np.zeros(training.n, dtype=bool)
+            if forced
+            else holdout_mask(training.request_ids, s.shadow_holdout_fraction)
+        )
+        train = ~held
         started = time.perf_counter()
         try:
             partition, report = fit_partition(
-                training.prefill,
-                training.decode,
+                training.prefill[train],
+                None if training.decode is None else training.decode[train],
                 geometry,
                 workers,
                 version=1 if previous is None else previous.version + 1,
@@ -325,6 +497,7 @@ class TrainerService:
                 layer_selection=s.layer_selection,
                 reduce_dim=s.reduce_dim or None,
                 min_profiled=s.min_profiled,
+                holdout_prefill=training.prefill[held] if held.any() else None,
             )
         except ValueError as exc:
             raise RefitFailed("fit", f"fit failed: {exc}") from exc
@@ -332,24 +505,115 @@ class TrainerService:
         self.metrics.fit_seconds.observe(fit_s)
         for note in report.notes:
             log.info("fit note: %s", note)
+        shadow: ShadowResult | None = None
+        missing = ""
+        if not forced:
+            assert previous is not None
+            shadow, missing = self._shadow(previous, partition, training, held, workers, L)
+        verdict = promotion_verdict(shadow, s.shadow_min_gain, forced=forced, missing=missing)
+        note = f"{reason}: {verdict.reason}"[:500]
+        write = write_active_version if verdict.promote else write_rejected_version
         try:
-            stored = write_active_version(
+            stored = write(
                 sessions,
                 partition,
                 seed=s.seed,
                 n_train=report.n_train,
                 parent_version=None if previous is None else previous.version,
-                note=reason[:500],
+                note=note,
                 lock_timeout_s=s.write_lock_timeout_s,
             )
         except WriteLockTimeoutError as exc:
             raise RefitFailed("lock", str(exc)) from exc
         except SQLAlchemyError as exc:
             raise RefitFailed("database", self._db_error(exc)) from exc
-        return FitOutcome(stored, report, fit_s, workers, training.n, training.n_with_profile)
+        return FitOutcome(
+            stored,
+            report,
+            fit_s,
+            workers,
+            training.n,
+            training.n_with_profile,
+            verdict,
+            shadow,
+            partition,
+            None if previous is None else previous.version,
+        )
+
+    def _ungated_because(
+        self, previous: Partition | None, workers: tuple[str, ...], trigger: str
+    ) -> str:
+        """Why this refit is promoted without a shadow gate ("" when it is gated)."""
+        s = self.settings
+        if previous is None:
+            return "no active version"
+        if set(previous.workers) != set(workers):
+            joined = sorted(set(workers) - set(previous.workers))
+            left = sorted(set(previous.workers) - set(workers))
+            return (
+                f"the workers differ from version {previous.version}'s "
+                f"(joined: {','.join(joined) or '-'}; left: {','.join(left) or '-'})"
+            )
+        if not s.shadow_gate:
+            return "the shadow gate is off"
+        if trigger == "request" and not s.shadow_gate_requests:
+            return "an operator asked for it"
+        return ""
+
+    def _shadow(
+        self,
+        previous: Partition,
+        candidate: Partition,
+        training: TrainingSet,
+        held: np.ndarray,
+        workers: tuple[str, ...],
+        num_moe_layers: int,
+    ) -> tuple[ShadowResult | None, str]:
+        """Shadow-evaluate on the held-out requests, or say why it cannot."""
+        s = self.settings
+        profiled = held & training.has_profile
+        if training.decode is not None and int(profiled.sum()) >= s.shadow_min_requests:
+            rows = profiled
+            activation = per_token_activation(training.decode[rows], num_moe_layers)
+            source = "decode profiles"
+        elif int(held.sum()) >= s.shadow_min_requests:
+            rows = held
+            activation = prefill_activation(training.prefill[rows], num_moe_layers)
+            source = f"prefill proxy: {int(profiled.sum())} with decode profiles"
+        else:
+            return None, (
+                f"{int(held.sum())} held-out request(s), a shadow evaluation needs "
+                f"{s.shadow_min_requests}"
+            )
+        result = shadow_evaluate(
+            previous,
+            candidate,
+            training.prefill[rows],
+            activation,
+            workers,
+            batch=self._shadow_batch(workers),
+            num_moe_layers=num_moe_layers,
+            tau=s.shadow_tau,
+            source=source,
+        )
+        self.metrics.shadow_union.labels("active").set(result.active_union)
+        self.metrics.shadow_union.labels("candidate").set(result.candidate_union)
+        return result, ""
+
+    def _shadow_batch(self, workers: tuple[str, ...]) -> float:
+        """The per-worker batch to model: the setting, else the fleet's mean in-flight
+        requests (at least MIN_SHADOW_BATCH: a quiet fleet, or one whose load reports this
+        trainer does not read, would make every partition look alike)."""
+        if self.settings.shadow_batch > 0:
+            return self.settings.shadow_batch
+        loads = [self.in_flight.get(w, 0) for w in workers]
+        return max(MIN_SHADOW_BATCH, float(np.mean(loads)) if loads else 0.0)
 
     def _observe_fit(self, outcome: FitOutcome) -> None:
         report = outcome.report
+        if not outcome.verdict.promote:
+            self.metrics.last_rejected_version.set(outcome.stored.version)
+            return
         self.metrics.active_version.set(outcome.stored.version)
         self.metrics.last_fit_samples.set(report.n_train)
         self.metrics.last_fit_inertia.set(report.inertia / max(report.n_train, 1))
@@ -447,10 +711,15 @@ class TrainerService:
             if infos:
                 newest = max(infos, key=lambda i: i.version)
                 self.metrics.active_version.set(newest.version)
+                with sessions() as session:
+                    record = repo.get(session, newest.version)
+                self._set_active(partition_from_record(record, "exact"))
         except RefitFailed as exc:
             log.error("at start: %s; refits will retry", exc)
         except SQLAlchemyError as exc:
             log.error("at start: %s; refits will retry", self._db_error(exc))
+        except ValueError as exc:  # an unreadable stored version: no drift baseline then
+            log.error("at start: active version unreadable: %s", exc)
 
     async def reconcile_announcement(self) -> None:
         """Announce the newest active version if a crash left it stored but unannounced."""
@@ -505,9 +774,9 @@ class TrainerService:
     # --- schedule --------------------------------------------------------------------------
 
     async def housekeeping(self) -> None:
-        """Age the window, refresh gauges, and refit every `refit_interval_s`."""
-        interval_s = self.settings.refit_interval_s
-        next_refit = time.monotonic() + interval_s
+        """Age the window, refresh gauges, and refit when a trigger says so."""
+        s = self.settings
+        self._last_fit_mono = time.monotonic()
         while not self.ctx.stopping.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.ctx.stopping.wait(), timeout=TICK_S)
@@ -516,10 +785,46 @@ class TrainerService:
             now_s = time.time()
             self.window.expire(now_s)
             self._window_gauges()
-            self.metrics.live_workers.set(len(self.workers(now_s)))
-            if interval_s > 0 and time.monotonic() >= next_refit:
-                await self.refit("scheduled", None, trigger="schedule")
-                next_refit = time.monotonic() + interval_s
+            live = self.workers(now_s)
+            self.metrics.live_workers.set(len(live))
+            trigger = self.trigger(live)
+            if trigger is not None:
+                reason = {"schedule": "scheduled", "churn": "worker set changed"}.get(
+                    trigger, trigger
+                )
+                if trigger == "drift" and self.monitor is not None:
+                    reason = f"drift: {self.monitor.status().reason}"
+                if trigger == "churn":
+                    active = () if self.active is None else self.active.workers
+                    reason = (
+                        f"worker set changed: joined "
+                        f"{','.join(sorted(set(live) - set(active))) or '-'}, left "
+                        f"{','.join(sorted(set(active) - set(live))) or '-'}"
+                    )
+                await self.refit(reason, None, trigger=trigger)
+            elif s.refit_interval_s <= 0:
+                continue
+
+    def trigger(self, live: tuple[str, ...]) -> str | None:
+        """Why to refit now (`eldr.core.online.refit_trigger`), or None."""
+        s = self.settings
+        mono = time.monotonic()
+        if live != self._live:
+            self._live = live
+            self._live_since_mono = mono
+        active = self.active
+        drift = self.drift_status()
+        return refit_trigger(
+            now_s=mono,
+            last_fit_s=self._last_fit_mono,
+            interval_s=s.refit_interval_s,
+            live=live,
+            active_workers=None if active is None or not s.churn_refit else active.workers,
+            live_since_s=self._live_since_mono,
+            churn_settle_s=s.churn_settle_s,
+            drift=drift,
+            min_gap_s=s.drift_min_gap_s,
+        )
 
 
 def _sparse_row(counts: SparseCounts) -> SparseRow:

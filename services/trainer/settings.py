@@ -45,8 +45,9 @@ class TrainerSettings(CommonSettings, StoreSettings):
     refit_interval_s: float = Field(
         default=60.0,
         ge=0,
-        description="Scheduled refit period; 0 = only on request (`eldr refit`). A scheduled "
-        "refit is skipped when no request entered the window since the last fit.",
+        description="Scheduled refit period; 0 = only on request (`eldr refit`), drift and "
+        "churn. A scheduled refit is skipped when no request entered the window since the "
+        "last fit.",
     )
     model: str | None = Field(
         default=None,
@@ -91,6 +92,95 @@ class TrainerSettings(CommonSettings, StoreSettings):
         default=60.0,
         gt=0,
         description="Bound on rebuilding the window from the streams at start.",
+    )
+    shadow_gate: bool = Field(
+        default=True,
+        description="Promote a scheduled or drift-triggered refit only if a shadow "
+        "evaluation on held-out recent requests predicts a lower expert union than the "
+        "active version's; otherwise store it as rejected and keep the active version.",
+    )
+    shadow_gate_requests: bool = Field(
+        default=False,
+        description="Also gate refits an operator asked for (`eldr refit`); by default "
+        "those are promoted (the shadow result is not computed).",
+    )
+    shadow_min_gain: float = Field(
+        default=0.0,
+        ge=0.0,
+        lt=1.0,
+        description="A candidate must lower the modelled union by more than this fraction.",
+    )
+    shadow_holdout_fraction: float = Field(
+        default=0.2,
+        gt=0.0,
+        lt=1.0,
+        description="Share of the window's requests (by a hash of the request id) held out "
+        "of gated fits: the shadow evaluation and the drift baseline use them.",
+    )
+    shadow_min_requests: int = Field(
+        default=32,
+        ge=1,
+        description="Held-out requests a shadow evaluation needs (with decode profiles; "
+        "else their prefill counts stand in); fewer: the candidate is rejected.",
+    )
+    shadow_batch: float = Field(
+        default=0.0,
+        ge=0.0,
+        description="Per-worker batch the shadow evaluation models; 0 = the mean in-flight "
+        "requests per live worker from load reports, at least 8.",
+    )
+    shadow_tau: float = Field(
+        default=0.1,
+        ge=0.0,
+        le=2.0,
+        description="Band width the shadow evaluation routes with (the routers' tau).",
+    )
+    drift_detection: bool = Field(
+        default=True,
+        description="Watch how recent requests sit against the active version and refit "
+        "early when they drift from its baseline.",
+    )
+    drift_window: int = Field(
+        default=512, ge=1, description="Recent requests the drift monitor keeps."
+    )
+    drift_min_samples: int = Field(
+        default=128,
+        ge=1,
+        description="Requests the drift monitor needs before a verdict (and to set the "
+        "baseline of a version fitted without held-out requests).",
+    )
+    drift_max_similarity_drop: float = Field(
+        default=0.05,
+        gt=0.0,
+        description="Drift when the recent mean best-centroid cosine falls this far below "
+        "the baseline.",
+    )
+    drift_max_skew_rise: float = Field(
+        default=0.2,
+        gt=0.0,
+        description="Drift when the recent nearest-centroid occupancy skew (total variation "
+        "from uniform) rises this far above the baseline.",
+    )
+    drift_min_gap_s: float = Field(
+        default=30.0,
+        ge=0.0,
+        description="At most one drift-triggered refit per this many seconds.",
+    )
+    drift_fit_max_age_s: float = Field(
+        default=300.0,
+        gt=0.0,
+        description="A drift-triggered refit fits on the requests of the last this many "
+        "seconds only (older ones are what drifted away), if there are enough.",
+    )
+    churn_refit: bool = Field(
+        default=True,
+        description="Refit when the live decode workers differ from the active version's.",
+    )
+    churn_settle_s: float = Field(
+        default=5.0,
+        ge=0.0,
+        description="Wait until the live worker set has not changed for this long before a "
+        "churn refit (workers joining together give one refit).",
     )
 
     @field_validator("trainer_workers", mode="before")

@@ -162,13 +162,13 @@ async def test_every_request_gets_exactly_one_decision_across_two_replicas(
     assert {d.fallback for d in decisions} == {None}  # jsq is load-only: no fallback
     # JSQ over the fleet-wide table spreads the load
     per_worker = {w: sum(d.worker_id == w for d in decisions) for w in ("d0", "d1", "d2")}
-    assert min(per_worker.values()) > 40
+    assert min(per_worker.values()) > 20  # JSQ spreads (RR would give 66-67 each)
 
 
 async def test_a_repeated_request_is_answered_with_the_committed_decision(
     bus: Bus, bus_settings: BusSettings, retention: RetentionSettings
 ) -> None:
-    inbox = bus.subjects.namespace + ".test.replies"
+    inbox = "_INBOX." + bus.subjects.namespace + ".replies"  # routers answer inboxes only
     replies: list[Decision] = []
 
     async def on_reply(msg: Decision, _: Delivery) -> None:
@@ -314,3 +314,39 @@ async def test_control_switches_the_policy_of_every_replica(
         [d] = await collect_decisions(bus, 1)
     assert sorted(r.router_id for r in replies if isinstance(r, RouterControlReply)) == ["r1", "r2"]
     assert d.policy == "round_robin"
+
+
+async def test_a_request_waits_for_a_worker_past_the_ack_wait_without_redelivery(
+    bus: Bus, bus_settings: BusSettings, retention: RetentionSettings
+) -> None:
+    """The router holds an event while no decode worker is live, telling JetStream it is in
+    progress: it is neither redelivered nor dead-lettered however long the fleet is down."""
+    quick = retention.model_copy(update={"router_ack_wait_s": 1.0, "router_max_deliver": 2})
+    s = router_settings(bus_settings, quick, policy="jsq", no_worker_wait_s=60.0)
+    async with running_router(s):
+        await bus.js_publish(bus.subjects.prefill_done("p0"), prefill_done("patient"))
+        await asyncio.sleep(3.5)  # 3.5 ack waits: without progress acks, past max_deliver
+        async with reporting(bus, {"d9": 0}):
+            [d] = await collect_decisions(bus, 1)
+        state = await bus.consumer_state(f"{bus.subjects.namespace.upper()}_PREFILL", "router")
+    assert d.worker_id == "d9"
+    assert state.num_redelivered == 0
+    dlq = await bus.stream_state(f"{bus.subjects.namespace.upper()}_DLQ")
+    assert dlq.messages == 0
+
+
+async def test_a_reply_to_outside_the_inboxes_is_not_answered(
+    bus: Bus, bus_settings: BusSettings, retention: RetentionSettings
+) -> None:
+    """A PrefillDone naming another request's decision subject as its reply_to must not make
+    the router write there (it has the rights to; the stream would record it)."""
+    victim = bus.subjects.decision("victim")
+    async with (
+        reporting(bus, {"d0": 0}),
+        running_router(router_settings(bus_settings, retention, policy="jsq")),
+    ):
+        await bus.js_publish(bus.subjects.prefill_done("p0"), prefill_done("attacker", victim))
+        [d] = await collect_decisions(bus, 1)
+    assert d.request_id == "attacker"
+    forged = await bus.get_last(f"{bus.subjects.namespace.upper()}_{DECISIONS}", victim, Decision)
+    assert forged is None

@@ -261,7 +261,7 @@ async def test_refits_store_publish_and_announce_new_versions(
             assert newer.status is PartitionStatus.ACTIVE
             assert newer.parent_version == first.version
             assert newer.n_train == 90
-            assert newer.note == "second"
+            assert newer.note == "second: promoted without a shadow gate: an operator asked for it"
             assert "moved_share" in newer.metrics
         finally:
             engine.dispose()
@@ -484,3 +484,86 @@ def test_postgres_writers_take_turns_and_numbers_match_blobs(pg_url: str, namesp
         assert active.version == versions[-1]
     finally:
         engine.dispose()
+
+
+async def test_a_candidate_the_shadow_gate_turns_down_is_stored_rejected_and_not_used(
+    bus: Bus,
+    bus_settings: BusSettings,
+    retention: RetentionSettings,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    database_url = f"sqlite:///{tmp_path / 'eldr.db'}"
+    await publish_traffic(bus, "m", 80)
+    settings = trainer_settings(
+        bus_settings,
+        retention,
+        database_url,
+        trainer_workers=WORKERS,
+        shadow_gate_requests=True,
+        shadow_min_requests=4,
+        shadow_min_gain=0.99,  # no candidate can be 99% better: every gated refit is rejected
+        shadow_batch=4.0,
+    )
+    async with running_trainer(settings):
+        await wait_for_metric(settings, 40, "eldr_trainer_window_samples", profile="with")
+        first = await refit(bus, "first")
+        assert first.status == "ok", first.message
+        assert "no active version" in first.message
+        second = await refit(bus, "second")
+        assert (second.status, second.version) == ("rejected", None)
+        assert f"version {first.version} stays active" in second.message
+        assert "shadow on" in second.message
+        assert (
+            await metric(
+                settings, "eldr_trainer_refits_total", outcome="rejected", trigger="request"
+            )
+            == 1
+        )
+        assert await metric(settings, "eldr_trainer_active_version") == first.version
+        assert await metric(settings, "eldr_trainer_last_rejected_version") == first.version + 1
+        assert await metric(settings, "eldr_trainer_shadow_union_per_layer", partition="active") > 0
+        monkeypatch.setenv("ELDR_NATS_URL", bus_settings.nats_url)
+        monkeypatch.setenv("ELDR_NAMESPACE", bus_settings.namespace)
+        assert await trainer_cli.refit("cli", None, REFIT_TIMEOUT_S) == trainer_cli.EXIT_REJECTED
+    engine = repo.make_engine(database_url, poolclass=NullPool)
+    try:
+        with repo.make_session_factory(engine)() as session:
+            rejected = repo.get(session, first.version + 1)
+            third = repo.get(session, first.version + 2)
+            active = repo.get_active(session, "m")
+    finally:
+        engine.dispose()
+    assert rejected.status is PartitionStatus.REJECTED
+    assert rejected.note.startswith("second: rejected: shadow on")
+    assert third.status is PartitionStatus.REJECTED
+    assert active is not None
+    assert active.version == first.version
+    announced = await last_announcement(bus)
+    assert announced is not None
+    assert announced.version == first.version
+
+
+async def test_a_worker_joining_triggers_a_refit_for_the_new_worker_set(
+    bus: Bus, bus_settings: BusSettings, retention: RetentionSettings, tmp_path: Path
+) -> None:
+    await publish_traffic(bus, "m", 60)
+    await report_load(bus, WORKERS)
+    settings = trainer_settings(
+        bus_settings,
+        retention,
+        f"sqlite:///{tmp_path / 'eldr.db'}",
+        churn_settle_s=0.2,
+    )
+    async with running_trainer(settings):
+        await wait_for_metric(settings, 3, "eldr_trainer_live_workers")
+        first = await refit(bus, "first")
+        assert first.status == "ok", first.message
+        await report_load(bus, (*WORKERS, "dw3"))
+        await wait_for_metric(
+            settings, 1, "eldr_trainer_refits_total", outcome="ok", trigger="churn"
+        )
+        announced = await last_announcement(bus)
+        assert announced is not None
+        assert announced.version == first.version + 1
+        assert announced.workers == [*WORKERS, "dw3"]

@@ -47,7 +47,7 @@ def test_bench_json_has_the_documented_shape() -> None:
     assert result["input"]["synthetic"] is True
     assert len(result["rates"]) == 2
     policies = {r["policy"] for r in result["results"]}
-    assert policies == {"round_robin", "random", "jsq", "p2c", "eldr", "oracle"}
+    assert policies == {"round_robin", "random", "jsq", "p2c", "eldr_cost", "eldr", "oracle"}
     for row in result["results"]:
         for key in (
             "policy",
@@ -62,13 +62,27 @@ def test_bench_json_has_the_documented_shape() -> None:
         assert row["tpot_p50_ms"] <= row["tpot_p95_ms"] <= row["tpot_p99_ms"]
     summary = result["summary"]
     assert summary["best_baseline"] in {"round_robin", "random", "jsq", "p2c"}
+    assert summary["default_policy"] == "eldr_cost"
+    assert isinstance(summary["default_meets_target"], bool)
     for key in (
+        "default_vs_best_baseline_tpot_p50_pct",
+        "default_vs_best_baseline_tpot_p99_pct",
+        "default_vs_best_baseline_union_pct",
         "eldr_vs_best_baseline_tpot_p50_pct",
         "eldr_vs_best_baseline_tpot_p99_pct",
         "eldr_vs_best_baseline_union_pct",
         "oracle_vs_best_baseline_union_pct",
     ):
         assert isinstance(summary[key], float)
+
+
+def test_variants_are_reported_beside_the_default_and_the_paper_rule() -> None:
+    result = run_bench(small_traces(), small_config(variants=True, batch_targets=(2.0,)))
+    variants = result["summary"]["variants_vs_best_baseline"]
+    assert set(variants) == {"eldr@kv_tokens", "eldr_bounded", "eldr_cost+partition"}
+    rows = {r["policy"]: r for r in result["results"]}
+    assert rows["eldr@kv_tokens"]["params"]["load_measure"] == "kv_tokens"
+    assert rows["eldr_cost+partition"]["params"]["locality_weight"] > 0
 
 
 def test_bench_is_deterministic_for_a_seed() -> None:
@@ -116,3 +130,9 @@ def test_eldr_beats_load_only_routing_on_real_traces() -> None:
     assert s["eldr_vs_best_baseline_tpot_p50_pct"] < 0.0
     assert s["eldr_vs_best_baseline_tpot_p99_pct"] <= 5.0
     assert s["oracle_vs_best_baseline_union_pct"] < 0.0
+    # Issue 8: the default policy cuts the union by at least 15% with a tail no worse.
+    assert s["default_policy"] == "eldr_cost"
+    assert s["default_vs_best_baseline_union_pct"] <= -15.0
+    assert s["default_vs_best_baseline_tpot_p50_pct"] < 0.0
+    assert s["default_vs_best_baseline_tpot_p99_pct"] <= 0.0
+    assert s["default_meets_target"] is True

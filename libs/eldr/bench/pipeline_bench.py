@@ -10,6 +10,13 @@ publish to the decision's arrival (monotonic clock). Requests are not sent on to
 workers (routing is what is measured); the workers only report load.
 
 Everything shares this machine's cores: the numbers include the replayer's own CPU use.
+
+Besides latency, each rate reports what the record of truth says (the DECISIONS stream:
+decisions and distinct request ids among this run's requests, so lost = sent - distinct and
+doubled = decisions - distinct) and the resident memory of every process, sampled every
+second (`--rss-every`): at the start of the rate, its peak and at its end, so a process
+whose memory keeps growing under a steady load shows. The sustained load test of
+docs/RELIABILITY.md is `eldr bench-pipeline --rates 1000 --duration 60`.
 """
 
 from __future__ import annotations
@@ -19,15 +26,19 @@ import asyncio
 import gc
 import json
 import logging
+import os
+import threading
 import time
 import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from eldr.bus import Bus
+from eldr.bus import Bus, Delivery, stream_name
+from eldr.bus.topology import DECISIONS
 from eldr.core.partition import fit_partition
 from eldr.core.synthetic import SyntheticSpec, generate
 from eldr.core.trace import TraceSet, counts_matrix
@@ -35,7 +46,7 @@ from eldr.dev.replayer import ReplayConfig, TraceReplayer
 from eldr.dev.stack import SERVICES, Stack, StackConfig
 from eldr.partitions import blob_sha256, partition_to_blob
 from eldr.runtime import run_async
-from eldr.wire import PartitionAnnouncement, RouterControl, RouterControlReply
+from eldr.wire import Decision, PartitionAnnouncement, RouterControl, RouterControlReply
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +63,89 @@ class PipelineConfig:
     seed: int = 0
     namespace: str | None = None
     state_dir: Path = Path(".eldr")
+    rss_every_s: float = 1.0
+    """Resident-memory sampling period of every process (0 = off)."""
+
+
+def rss_bytes(pid: int) -> int | None:
+    """Resident set size of a process (Linux /proc), None if it is gone or unreadable."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+class RssSampler:
+    """Samples the RSS of named processes every `every_s` in a thread; `window()` returns
+    (first, peak, last) MiB per process since the last call."""
+
+    def __init__(self, pids: Callable[[], Mapping[str, int]], every_s: float) -> None:
+        self._pids = pids
+        self._every_s = every_s
+        self._samples: dict[str, list[int]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss sampler", daemon=True)
+
+    def start(self) -> RssSampler:
+        if self._every_s > 0:
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every_s):
+            self.sample()
+
+    def sample(self) -> None:
+        for name, pid in self._pids().items():
+            rss = rss_bytes(pid)
+            if rss is not None:
+                with self._lock:
+                    self._samples.setdefault(name, []).append(rss)
+
+    def window(self) -> dict[str, dict[str, float]]:
+        self.sample()
+        with self._lock:
+            samples, self._samples = self._samples, {}
+        mib = 1 << 20
+        return {
+            name: {
+                "first_mib": round(values[0] / mib, 1),
+                "peak_mib": round(max(values) / mib, 1),
+                "last_mib": round(values[-1] / mib, 1),
+            }
+            for name, values in sorted(samples.items())
+            if values
+        }
+
+
+async def count_decisions(bus: Bus, since_s: float, request_ids: set[str]) -> tuple[int, int]:
+    """(decisions, distinct request ids) in DECISIONS since `since_s` among `request_ids`."""
+    seen: dict[str, int] = {}
+
+    async def on_decision(decision: Decision, _: Delivery) -> None:
+        if decision.request_id in request_ids:
+            seen[decision.request_id] = seen.get(decision.request_id, 0) + 1
+
+    replay = await bus.replay(
+        stream_name(bus.subjects.namespace, DECISIONS),
+        bus.subjects.decisions_all,
+        Decision,
+        on_decision,
+        start_time_s=since_s,
+        stop_at_end=True,
+    )
+    await replay.wait_caught_up(timeout_s=120)
+    return sum(seen.values()), len(seen)
 
 
 async def install_partition(bus: Bus, traces: TraceSet, workers: list[str], seed: int) -> int:
@@ -105,7 +199,9 @@ async def wait_routers_ready(bus: Bus, routers: int, decoders: int, timeout_s: f
         await asyncio.sleep(0.2)
 
 
-async def drive(config: PipelineConfig, stack: Stack) -> dict[str, Any]:
+async def drive(
+    config: PipelineConfig, stack: Stack, sampler: RssSampler | None = None
+) -> dict[str, Any]:
     spec = SyntheticSpec(num_topics=8, num_moe_layers=24, num_experts=128, top_k=1)
     rng = np.random.default_rng(config.seed)
     calibration = generate(spec, 600, rng, id_prefix="cal")
@@ -122,6 +218,9 @@ async def drive(config: PipelineConfig, stack: Stack) -> dict[str, Any]:
         gc.freeze()
         for rate in config.rates:
             n = int(rate * config.duration_s)
+            if sampler is not None:
+                sampler.window()  # start this rate's window
+            since_s = time.time() - 1.0
             replay = TraceReplayer(
                 bus,
                 traffic,
@@ -135,9 +234,12 @@ async def drive(config: PipelineConfig, stack: Stack) -> dict[str, Any]:
             )
             async with replay:
                 summary = await replay.run(n)
+            rss = sampler.window() if sampler is not None else {}
             latencies = np.array(
                 [r.decision_latency_s for r in replay.records if r.decision_latency_s is not None]
             )
+            sent_ids = {r.request_id for r in replay.records if r.sent}
+            decisions, distinct = await count_decisions(bus, since_s, sent_ids)
             row = {
                 "rate": rate,
                 "sent": summary.sent,
@@ -150,6 +252,10 @@ async def drive(config: PipelineConfig, stack: Stack) -> dict[str, Any]:
                 "latency_max_ms": round(float(latencies.max()) * 1e3, 3),
                 "fallbacks": dict(summary.fallbacks),
                 "max_lag_ms": round(summary.max_lag_s * 1e3, 1),
+                "stream_decisions": decisions,
+                "stream_lost": len(sent_ids) - distinct,
+                "stream_doubled": decisions - distinct,
+                "rss": rss,
             }
             log.info("rate %.0f: %s", rate, row)
             results.append(row)
@@ -185,7 +291,19 @@ def run(config: PipelineConfig) -> dict[str, Any]:
         log_dir=config.state_dir / "logs",
     )
     with Stack(stack_config) as stack:
-        return run_async(drive(config, stack))
+
+        def pids() -> dict[str, int]:
+            found = {p.instance_id: p.pid for p in stack.processes if p.returncode is None}
+            if stack.nats is not None and stack.nats.pid is not None:
+                found["nats-server"] = stack.nats.pid
+            found["bench (replayer)"] = os.getpid()
+            return found
+
+        sampler = RssSampler(pids, config.rss_every_s).start()
+        try:
+            return run_async(drive(config, stack, sampler))
+        finally:
+            sampler.stop()
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -203,6 +321,18 @@ def format_table(result: dict[str, Any]) -> str:
             f"{r['lost']:>4} {r['latency_p50_ms']:>7.2f} {r['latency_p99_ms']:>7.2f} "
             f"{r['latency_max_ms']:>7.1f}"
         )
+    for r in result["results"]:
+        lines.append(
+            f"rate {r['rate']:.0f}: DECISIONS stream holds {r['stream_decisions']} decisions for "
+            f"{r['sent']} requests sent: {r['stream_lost']} lost, {r['stream_doubled']} doubled"
+        )
+        if r["rss"]:
+            lines.append(f"  {'process':<18} {'start MiB':>9} {'peak MiB':>9} {'end MiB':>9}")
+            for name, m in r["rss"].items():
+                lines.append(
+                    f"  {name:<18} {m['first_mib']:>9.1f} {m['peak_mib']:>9.1f} "
+                    f"{m['last_mib']:>9.1f}"
+                )
     return "\n".join(lines)
 
 
@@ -223,6 +353,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--signatures", type=int, default=1)
     p.add_argument("--decoders", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--rss-every", type=float, default=1.0, help="RSS sampling period, seconds (0 = off)"
+    )
     p.add_argument("--json", type=Path)
     p.set_defaults(func=_main)
 
@@ -236,6 +369,7 @@ def _main(args: argparse.Namespace) -> int:
             signatures=args.signatures,
             decoders=args.decoders,
             seed=args.seed,
+            rss_every_s=args.rss_every,
         )
     )
     print(format_table(result))

@@ -10,7 +10,14 @@ The benchmark follows the paper's method on recorded expert traces:
    through every policy in the discrete-event simulator (`eldr.sim.cluster`), where each
    decode step costs what the cost profile says for the experts its batch really activated;
 4. report TPOT P50/P95/P99, the mean number of distinct experts per MoE layer per step,
-   load imbalance, and a summary at the highest rate at which no baseline saturates.
+   load imbalance, and a summary at the highest rate at which no baseline saturates: the
+   default policy ("eldr_cost", docs/ONLINE.md) and the paper's rule ("eldr") against the
+   best load-only baseline, and whether the default meets issue 8's bar (union at least
+   15% lower, TPOT P50 lower, P99 no higher).
+
+`--variants` adds the tail-safe variants studied (the paper's rule balancing KV tokens,
+the load-bounded band, the cost-aware policy with a partition bonus); `--scenario drift`
+and `--scenario churn` run the online benchmarks instead (`eldr.bench.online_bench`).
 
 Arrival rates are derived from target batch sizes with Little's law and the cost profile
 (a rate at which a round-robin worker would hold about B requests), so that every cost
@@ -25,15 +32,24 @@ import logging
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from eldr.core.activity import ExpertDemand, expert_demand
 from eldr.core.costmodel import CostProfile, expected_uniform_union
 from eldr.core.kmeans import balanced_spherical_kmeans
-from eldr.core.policies import LOAD_ONLY_POLICIES, PolicySpec, make_policy
+from eldr.core.policies import (
+    DEFAULT_POLICY,
+    LOAD_ONLY_POLICIES,
+    PAPER_POLICY,
+    LoadMeasure,
+    Policy,
+    PolicySpec,
+    make_policy,
+)
 from eldr.core.signature import Calibration, fit_calibration
 from eldr.core.trace import TraceSet, counts_matrix
 from eldr.data.profiles import DEFAULT_PROFILE_FOR_TRACES, load_catalog
@@ -46,6 +62,48 @@ QUICK_BATCH_TARGETS: tuple[float, ...] = (8.0, 16.0, 32.0)
 FULL_BATCH_TARGETS: tuple[float, ...] = (4.0, 8.0, 16.0, 32.0, 48.0)
 SATURATION_QUEUED_SHARE = 0.01
 """A run is saturated when more than this share of requests waited for a batch slot."""
+TARGET_UNION_PCT = -15.0
+"""Issue 8's bar: the default policy's expert union at least this much below the best
+load-only baseline's, with TPOT P50 lower and P99 no higher."""
+LOCALITY_WEIGHT_VARIANT = 60.0
+"""Partition bonus of the "eldr_cost+partition" variant, in expert loads per unit cosine
+(about 2.5 per MoE layer for the 24-layer traces); a variant, not a default."""
+
+
+@dataclass(frozen=True)
+class BenchPolicy:
+    """A policy as the benchmark runs it: a row label and the policy's spec."""
+
+    label: str
+    spec: PolicySpec
+
+
+def policy_lineup(
+    names: Sequence[str], tau: float, load_measure: str, variants: bool
+) -> list[BenchPolicy]:
+    """The policies of a run: `names` as given (their own label), plus the variants."""
+    measure: LoadMeasure = "kv_tokens" if load_measure == "kv_tokens" else "requests"
+    out = [BenchPolicy(n, PolicySpec(name=n, tau=tau, load_measure=measure)) for n in names]
+    if variants:
+        out += [
+            BenchPolicy(
+                "eldr@kv_tokens", PolicySpec(name=PAPER_POLICY, tau=tau, load_measure="kv_tokens")
+            ),
+            BenchPolicy(
+                "eldr_bounded",
+                PolicySpec(name="eldr_bounded", tau=tau, load_measure=measure),
+            ),
+            BenchPolicy(
+                "eldr_cost+partition",
+                PolicySpec(
+                    name="eldr_cost",
+                    tau=tau,
+                    load_measure=measure,
+                    extra={"locality_weight": LOCALITY_WEIGHT_VARIANT},
+                ),
+            ),
+        ]
+    return out
 
 
 @dataclass(frozen=True)
@@ -63,7 +121,8 @@ class BenchConfig:
     layer_selection: str = "greedy"
     transform: str = "idf"
     seed: int = 0
-    policies: tuple[str, ...] = (*BASELINES, "eldr", "oracle")
+    policies: tuple[str, ...] = (*BASELINES, DEFAULT_POLICY, PAPER_POLICY, "oracle")
+    variants: bool = False
 
 
 @dataclass
@@ -79,6 +138,24 @@ class Prepared:
     scores: np.ndarray  # [requests, decoders], prefill signature vs partition centroids
     oracle_scores: np.ndarray  # [requests, decoders], decode signature vs decode partition
     partition_info: dict[str, Any] = field(default_factory=dict)
+    prefill_counts: np.ndarray | None = None  # float32 [requests, L * E]
+    _demands: dict[tuple[int, float], list[ExpertDemand]] = field(default_factory=dict)
+
+    def demands(self, policy: Policy) -> list[ExpertDemand]:
+        """Per request, its predicted per-step expert activation under `policy`'s prior."""
+        params = policy.params()
+        geometry = self.traces.geometry
+        top_k = int(params.get("top_k", 0) or 0) or geometry.top_k
+        prior = float(params.get("prior_tokens", 1.0))
+        key = (top_k, prior)
+        if key not in self._demands:
+            assert self.prefill_counts is not None
+            shape = (geometry.num_moe_layers, geometry.num_experts)
+            self._demands[key] = [
+                expert_demand(row.reshape(shape), top_k=top_k, prior_tokens=prior)
+                for row in self.prefill_counts
+            ]
+        return self._demands[key]
 
 
 def stratified_split(
@@ -156,6 +233,7 @@ def prepare(traces: TraceSet, config: BenchConfig) -> Prepared:
         requests=requests,
         scores=scores,
         oracle_scores=oracle_scores,
+        prefill_counts=prefill,
         partition_info={
             "k": config.decoders,
             "cluster_size_max": int(fit.sizes.max()),
@@ -209,7 +287,7 @@ def run_policy(
     scores: np.ndarray | None = None
     if spec.name == "oracle":
         scores = prepared.oracle_scores
-    elif policy.uses_signature:
+    elif policy.wants_scores:
         scores = prepared.scores
     geometry = prepared.traces.geometry
     return simulate(
@@ -227,12 +305,14 @@ def run_policy(
         num_moe_layers=geometry.num_moe_layers,
         union_slots=geometry.signature_dim,
         scores=scores,
+        demands=prepared.demands(policy) if policy.uses_activity else None,
     )
 
 
-def _row(res: SimResult, spec: PolicySpec, profile: str) -> dict[str, Any]:
+def _row(res: SimResult, bp: BenchPolicy, profile: str) -> dict[str, Any]:
+    spec = bp.spec
     return {
-        "policy": spec.name,
+        "policy": bp.label,
         "profile": profile,
         "rate": res.arrival_rate_per_s,
         "tpot_p50_ms": round(res.tpot_percentile_ms(50), 4),
@@ -244,7 +324,8 @@ def _row(res: SimResult, spec: PolicySpec, profile: str) -> dict[str, Any]:
         "queued_share": round(res.queued_share, 4),
         "saturated": res.queued_share > SATURATION_QUEUED_SHARE,
         "fallbacks": dict(res.fallbacks),
-        **({"tau": spec.tau} if spec.name in ("eldr", "oracle") else {}),
+        "params": make_policy(spec).params(),
+        **({"tau": spec.tau} if spec.name in ("eldr", "eldr_bounded", "oracle") else {}),
     }
 
 
@@ -268,23 +349,49 @@ def summarize(results: list[dict[str, Any]], profile: str) -> dict[str, Any]:
     baselines = [at[p] for p in BASELINES if p in at]
     best = min(baselines, key=lambda r: (r["tpot_p50_ms"], r["tpot_p99_ms"]))
     out: dict[str, Any] = {"profile": profile, "rate": rate, "best_baseline": best["policy"]}
-    if "eldr" in at:
-        e = at["eldr"]
-        out["eldr_vs_best_baseline_tpot_p50_pct"] = _pct(e["tpot_p50_ms"], best["tpot_p50_ms"])
-        out["eldr_vs_best_baseline_tpot_p99_pct"] = _pct(e["tpot_p99_ms"], best["tpot_p99_ms"])
-        out["eldr_vs_best_baseline_union_pct"] = _pct(
+    for key, label in (("default", DEFAULT_POLICY), ("eldr", PAPER_POLICY)):
+        if label not in at:
+            continue
+        e = at[label]
+        if key == "default":
+            out["default_policy"] = label
+        out[f"{key}_vs_best_baseline_tpot_p50_pct"] = _pct(e["tpot_p50_ms"], best["tpot_p50_ms"])
+        out[f"{key}_vs_best_baseline_tpot_p99_pct"] = _pct(e["tpot_p99_ms"], best["tpot_p99_ms"])
+        out[f"{key}_vs_best_baseline_union_pct"] = _pct(
             e["expert_union_mean"], best["expert_union_mean"]
         )
+    if DEFAULT_POLICY in at:
+        union_pct = out["default_vs_best_baseline_union_pct"]
+        out["default_meets_target"] = bool(
+            union_pct <= TARGET_UNION_PCT
+            and at[DEFAULT_POLICY]["tpot_p50_ms"] < best["tpot_p50_ms"]
+            and at[DEFAULT_POLICY]["tpot_p99_ms"] <= best["tpot_p99_ms"]
+        )
+    variants = [
+        r["policy"]
+        for r in at.values()
+        if r["policy"] not in BASELINES and r["policy"] not in (DEFAULT_POLICY, PAPER_POLICY)
+    ]
+    for label in variants:
+        if label == "oracle":
+            continue
+        e = at[label]
+        out.setdefault("variants_vs_best_baseline", {})[label] = {
+            "union_pct": _pct(e["expert_union_mean"], best["expert_union_mean"]),
+            "tpot_p50_pct": _pct(e["tpot_p50_ms"], best["tpot_p50_ms"]),
+            "tpot_p99_pct": _pct(e["tpot_p99_ms"], best["tpot_p99_ms"]),
+        }
     if "oracle" in at:
         o = at["oracle"]
         out["oracle_vs_best_baseline_union_pct"] = _pct(
             o["expert_union_mean"], best["expert_union_mean"]
         )
-        if "eldr" in at and o["expert_union_mean"] < best["expert_union_mean"]:
-            captured = (best["expert_union_mean"] - at["eldr"]["expert_union_mean"]) / (
-                best["expert_union_mean"] - o["expert_union_mean"]
-            )
-            out["eldr_share_of_oracle_union_reduction"] = round(float(captured), 3)
+        for key, label in (("default", DEFAULT_POLICY), ("eldr", PAPER_POLICY)):
+            if label in at and o["expert_union_mean"] < best["expert_union_mean"]:
+                captured = (best["expert_union_mean"] - at[label]["expert_union_mean"]) / (
+                    best["expert_union_mean"] - o["expert_union_mean"]
+                )
+                out[f"{key}_share_of_oracle_union_reduction"] = round(float(captured), 3)
     return out
 
 
@@ -297,10 +404,7 @@ def run_bench(traces: TraceSet, config: BenchConfig) -> dict[str, Any]:
     profiles = [primary] + [catalog.get(name) for name in config.whatif_profiles]
     results: list[dict[str, Any]] = []
     rates_by_profile: dict[str, list[float]] = {}
-    specs = [
-        PolicySpec(name=p, tau=config.tau, load_measure=config.load_measure)  # type: ignore[arg-type]
-        for p in config.policies
-    ]
+    lineup = policy_lineup(config.policies, config.tau, config.load_measure, config.variants)
     for cost in profiles:
         rates = (
             list(config.rates)
@@ -310,14 +414,14 @@ def run_bench(traces: TraceSet, config: BenchConfig) -> dict[str, Any]:
         rates_by_profile[cost.name] = rates
         for rate in rates:
             arrivals = _arrivals(prepared, config.arrivals_per_rate, config.seed)
-            for spec in specs:
-                res = run_policy(prepared, spec, cost, rate, config, arrivals)
-                results.append(_row(res, spec, cost.name))
+            for bp in lineup:
+                res = run_policy(prepared, bp.spec, cost, rate, config, arrivals)
+                results.append(_row(res, bp, cost.name))
                 log.info(
                     "profile=%s rate=%.1f policy=%s p50=%.3fms p99=%.3fms union=%.3f",
                     cost.name,
                     rate,
-                    spec.name,
+                    bp.label,
                     results[-1]["tpot_p50_ms"],
                     results[-1]["tpot_p99_ms"],
                     results[-1]["expert_union_mean"],
@@ -344,6 +448,9 @@ def run_bench(traces: TraceSet, config: BenchConfig) -> dict[str, Any]:
             "arrivals_per_rate": config.arrivals_per_rate,
             "tau": config.tau,
             "load_measure": config.load_measure,
+            "policies": [bp.label for bp in lineup],
+            "default_policy": DEFAULT_POLICY,
+            "paper_policy": PAPER_POLICY,
             "seed": config.seed,
             "cost_profile": _profile_info(primary),
             "whatif_profiles": [_profile_info(p) for p in profiles[1:]],
@@ -381,12 +488,12 @@ def format_table(result: dict[str, Any]) -> str:
         f"partition: K={inp['partition']['k']}, sizes {inp['partition']['cluster_size_min']}-"
         f"{inp['partition']['cluster_size_max']} (cap {inp['partition']['capacity']})",
         "",
-        f"{'profile':<36} {'rate':>7} {'policy':<12} {'P50 ms':>8} {'P95 ms':>8} "
+        f"{'profile':<36} {'rate':>7} {'policy':<20} {'P50 ms':>8} {'P95 ms':>8} "
         f"{'P99 ms':>8} {'union':>7} {'batch':>6} {'imbal':>6} {'sat':>4}",
     ]
     for r in result["results"]:
         lines.append(
-            f"{r['profile']:<36} {r['rate']:>7.1f} {r['policy']:<12} {r['tpot_p50_ms']:>8.3f} "
+            f"{r['profile']:<36} {r['rate']:>7.1f} {r['policy']:<20} {r['tpot_p50_ms']:>8.3f} "
             f"{r['tpot_p95_ms']:>8.3f} {r['tpot_p99_ms']:>8.3f} {r['expert_union_mean']:>7.3f} "
             f"{r['batch_mean']:>6.2f} {r['imbalance']:>6.2f} {'yes' if r['saturated'] else '':>4}"
         )
@@ -410,7 +517,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     for policy in dict.fromkeys(r["policy"] for r in rows):
         pr = sorted((r for r in rows if r["policy"] == policy), key=lambda r: r["rate"])
         x = [r["rate"] for r in pr]
-        style = "-" if policy in ("eldr", "oracle") else "--"
+        style = "--" if policy in BASELINES else "-"
         axes[0].plot(x, [r["tpot_p50_ms"] for r in pr], style, marker="o", label=policy)
         axes[1].plot(x, [r["tpot_p99_ms"] for r in pr], style, marker="o", label=policy)
         axes[2].plot(x, [r["expert_union_mean"] for r in pr], style, marker="o", label=policy)
@@ -464,6 +571,24 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--tau", type=float, default=0.1, help="ELDR band width (default 0.1, the paper's)"
     )
+    p.add_argument(
+        "--policies",
+        default=None,
+        help="comma-separated policies to run (default: the four baselines, "
+        f"{DEFAULT_POLICY} (default), {PAPER_POLICY} (the paper's rule), oracle)",
+    )
+    p.add_argument(
+        "--variants",
+        action="store_true",
+        help="also run the tail-safe variants (eldr@kv_tokens, eldr_bounded, eldr_cost+partition)",
+    )
+    p.add_argument(
+        "--scenario",
+        choices=("steady", "drift", "churn"),
+        default="steady",
+        help="steady: policies x rates (default); drift: the workload mix changes mid-run, "
+        "static partition vs online refit; churn: decode workers join and leave mid-run",
+    )
     p.add_argument("--load-measure", choices=("requests", "kv_tokens"), default="requests")
     p.add_argument(
         "--profile",
@@ -490,12 +615,70 @@ def register(subparsers: Any) -> None:
     p.add_argument("--calibration-fraction", type=float, default=0.4)
     p.add_argument("--quick", action="store_true", help="fewer rates and arrivals (under 60 s)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seeds",
+        type=lambda text: tuple(int(x) for x in text.split(",") if x.strip()),
+        default=None,
+        help="comma-separated seeds: run the whole benchmark once per seed (split, "
+        "partition, arrivals) and report the summaries side by side with the worst case",
+    )
     p.add_argument("--json", type=Path, help="write the result as JSON here")
     p.add_argument("--plot", type=Path, help="write a PNG plot here (default: next to --json)")
     p.set_defaults(func=_main)
 
 
+def robustness(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Worst case over seeds of the default's and the paper rule's summary numbers."""
+    out: dict[str, Any] = {"seeds": len(summaries)}
+    for key in ("default", "eldr"):
+        rows = [s for s in summaries if f"{key}_vs_best_baseline_union_pct" in s]
+        if not rows:
+            continue
+        out[key] = {
+            "union_pct_worst": max(s[f"{key}_vs_best_baseline_union_pct"] for s in rows),
+            "union_pct_mean": round(
+                float(np.mean([s[f"{key}_vs_best_baseline_union_pct"] for s in rows])), 2
+            ),
+            "tpot_p50_pct_worst": max(s[f"{key}_vs_best_baseline_tpot_p50_pct"] for s in rows),
+            "tpot_p99_pct_worst": max(s[f"{key}_vs_best_baseline_tpot_p99_pct"] for s in rows),
+        }
+    met = [s.get("default_meets_target") for s in summaries]
+    out["default_meets_target_every_seed"] = bool(met) and all(m is True for m in met)
+    return out
+
+
+def _main_seeds(
+    traces: TraceSet, config: BenchConfig, seeds: Sequence[int], json_path: Path | None
+) -> int:
+    runs = []
+    for seed in seeds:
+        result = run_bench(traces, replace(config, seed=seed))
+        runs.append(result)
+        s = result["summary"]
+        print(
+            f"seed {seed}: rate {s.get('rate')} best baseline {s.get('best_baseline')}; "
+            f"default union {s.get('default_vs_best_baseline_union_pct')}% "
+            f"P50 {s.get('default_vs_best_baseline_tpot_p50_pct')}% "
+            f"P99 {s.get('default_vs_best_baseline_tpot_p99_pct')}% "
+            f"(meets: {s.get('default_meets_target')}); paper rule union "
+            f"{s.get('eldr_vs_best_baseline_union_pct')}% "
+            f"P50 {s.get('eldr_vs_best_baseline_tpot_p50_pct')}% "
+            f"P99 {s.get('eldr_vs_best_baseline_tpot_p99_pct')}%",
+            flush=True,
+        )
+    summary = robustness([r["summary"] for r in runs])
+    print("worst case over seeds: " + json.dumps(summary))
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps({"robustness": summary, "runs": runs}, indent=2))
+    return 0
+
+
 def _main(args: argparse.Namespace) -> int:
+    if args.scenario != "steady":
+        from eldr.bench.online_bench import main_from_args
+
+        return main_from_args(args)
     traces = _load_input(args)
     targets = args.batch_targets or (QUICK_BATCH_TARGETS if args.quick else FULL_BATCH_TARGETS)
     config = BenchConfig(
@@ -510,7 +693,15 @@ def _main(args: argparse.Namespace) -> int:
         profile=args.profile,
         whatif_profiles=tuple(x for x in args.whatif.split(",") if x),
         seed=args.seed,
+        policies=(
+            tuple(x.strip() for x in args.policies.split(",") if x.strip())
+            if args.policies
+            else BenchConfig.policies
+        ),
+        variants=args.variants,
     )
+    if args.seeds:
+        return _main_seeds(traces, config, args.seeds, args.json)
     result = run_bench(traces, config)
     print(format_table(result))
     if args.json:

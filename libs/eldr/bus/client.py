@@ -29,6 +29,7 @@ import hashlib
 import io
 import json
 import logging
+import re
 import ssl
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
@@ -88,6 +89,12 @@ class Delivery:
     timestamp_s: float | None = None
     """When JetStream stored the message (Unix seconds); None for core messages."""
     headers: Mapping[str, str] = field(default_factory=dict)
+    in_progress: Callable[[], Awaitable[None]] | None = field(
+        default=None, compare=False, repr=False
+    )
+    """`consume` only: tell JetStream the message is still being worked on, which restarts
+    its ack wait (a handler that holds a message longer than the consumer's ack wait calls
+    it more often than that, or the message is redelivered meanwhile). Never raises."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +154,18 @@ def _translated(what: str) -> Iterator[None]:
         raise BusTimeoutError(f"{what}: timed out") from exc
     except nats.errors.Error as exc:
         raise BusError(f"{what}: {exc}") from exc
+
+
+def redact_url(url: object) -> str:
+    """`url` (one or several, comma-separated; a string or a parsed URL) without any
+    user name, password or token in it: `nats://***@host:4222`. For logs and errors."""
+    text = url.geturl() if hasattr(url, "geturl") else str(url)
+    return ",".join(
+        _USERINFO_RE.sub(r"\1***@", part.strip()) for part in text.split(",") if part.strip()
+    )
+
+
+_USERINFO_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^@/]*@")
 
 
 def _one_line(text: str, limit: int = _MAX_ERROR_HEADER_LEN) -> str:
@@ -246,14 +265,14 @@ class Bus:
                 log.warning("nats client %s disconnected", name)
 
         async def on_reconnected() -> None:
-            log.info("nats client %s reconnected to %s", name, nc.connected_url)
+            log.info("nats client %s reconnected to %s", name, redact_url(nc.connected_url))
 
         async def on_closed() -> None:
             log.info("nats client %s closed", name)
 
         options = {**_connect_options(settings, name), "no_echo": no_echo}
         try:
-            with _translated(f"connect to {settings.nats_url}"):
+            with _translated(f"connect to {redact_url(settings.nats_url)}"):
                 # nats-py retries the first connect like a reconnect (forever by default).
                 await asyncio.wait_for(
                     nc.connect(
@@ -266,10 +285,12 @@ class Bus:
                     timeout=settings.startup_wait_s,
                 )
         except BaseException:
+            # Bounded: a client stuck between failed attempts (bad credentials) can take
+            # its time to close, and the caller is owed the original error now.
             with contextlib.suppress(Exception):
-                await nc.close()
+                await asyncio.wait_for(nc.close(), timeout=settings.connect_timeout_s)
             raise
-        log.info("nats client %s connected to %s", name, nc.connected_url)
+        log.info("nats client %s connected to %s", name, redact_url(nc.connected_url))
         bus = cls(nc, settings, BusMetrics(registry or CollectorRegistry(auto_describe=True)))
         bus._no_echo = no_echo
         return bus
@@ -645,8 +666,17 @@ class Bus:
                 cb=replay.on_msg,
                 ordered_consumer=True,
                 config=config,
+                idle_heartbeat=self._settings.replay_heartbeat_s,
             )
             info = await replay.sub.consumer_info()
+        # nats-py re-creates an ordered consumer that stopped delivering (a server restart
+        # loses it) from its first request, switched to "deliver from sequence N". A start
+        # time left in that request makes the server refuse it (error 10094): the replay
+        # would stop for good (found by tests/faults: the trainer stopped learning).
+        jsi = getattr(getattr(replay.sub, "_sub", None), "_jsi", None)
+        ccreq = getattr(jsi, "_ccreq", None)
+        if ccreq is not None:
+            ccreq.opt_start_time = None
         replay.check_initially_caught_up(
             num_pending=info.num_pending or 0,
             delivered=info.delivered.consumer_seq if info.delivered else 0,
@@ -1034,6 +1064,10 @@ class Consumer(_Handle, Generic[M]):
         family = bus.subjects.family(msg.subject)
         bus.metrics.received.labels(family).inc()
         meta = msg.metadata
+
+        async def in_progress() -> None:
+            await self._settle(msg, "in_progress")
+
         delivery = Delivery(
             subject=msg.subject,
             stream=meta.stream,
@@ -1041,6 +1075,7 @@ class Consumer(_Handle, Generic[M]):
             num_delivered=meta.num_delivered,
             timestamp_s=meta.timestamp.timestamp(),
             headers=msg.headers or {},
+            in_progress=in_progress,
         )
         last_try = self.max_deliver > 0 and meta.num_delivered >= self.max_deliver
         try:
@@ -1104,6 +1139,8 @@ class Consumer(_Handle, Generic[M]):
                 await msg.ack()
             elif how == "nak":
                 await msg.nak(delay=delay_s)
+            elif how == "in_progress":
+                await msg.in_progress()
             else:
                 await msg.term()
         except nats.errors.Error as exc:

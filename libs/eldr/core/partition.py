@@ -75,6 +75,10 @@ class Partition:
     def k(self) -> int:
         return len(self.workers)
 
+    def owns(self, worker_id: str) -> bool:
+        """Whether `worker_id` owns a centroid of this partition."""
+        return worker_id in self._slot
+
     def signature(self, counts: np.ndarray) -> np.ndarray:
         """Unit signature of a request's prefill counts ([L, E] or [L * E])."""
         return self.calibration.apply(np.asarray(counts, dtype=np.float32))
@@ -103,6 +107,44 @@ class Partition:
         return out
 
 
+BEST_SIMILARITY_METRIC = "drift_best_similarity"
+OCCUPANCY_SKEW_METRIC = "drift_occupancy_skew"
+BASELINE_HELD_OUT_METRIC = "drift_baseline_held_out"
+"""Keys of a fit's drift baseline in `Partition.metrics` (`eldr.core.online`); the last is
+1 when the baseline was measured on held-out requests, 0 on the training requests."""
+
+
+def nearest_workers(partition: Partition, signatures: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(best cosine similarity, index of the best worker) per signature row [N, d].
+
+    Rows of zeros score 0 with worker -1. Exact search (this is off the request path).
+    """
+    sigs = np.asarray(signatures, dtype=np.float32)
+    sims = sigs @ partition.centroids.T
+    best = np.full((sims.shape[0], partition.k), -np.inf, dtype=np.float32)
+    for m, owner in enumerate(partition.owners):
+        np.maximum(best[:, owner], sims[:, m], out=best[:, owner])
+    worker = best.argmax(axis=1).astype(np.int64)
+    sim = best.max(axis=1).astype(np.float64)
+    zero = ~np.any(sigs != 0, axis=1)
+    worker[zero] = -1
+    sim[zero] = 0.0
+    return sim, worker
+
+
+def occupancy_skew(workers: np.ndarray, k: int) -> float:
+    """Total-variation distance of the nearest-worker occupancy from uniform, in [0, 1).
+
+    0: every worker is nearest for the same share of requests; near 1: all on one.
+    Entries of -1 (no signature) are ignored.
+    """
+    valid = workers[workers >= 0]
+    if valid.size == 0 or k <= 0:
+        return 0.0
+    share = np.bincount(valid, minlength=k) / valid.size
+    return float(0.5 * np.abs(share - 1.0 / k).sum())
+
+
 @dataclass(frozen=True)
 class FitReport:
     n_train: int
@@ -118,6 +160,12 @@ class FitReport:
     """Share of training requests whose best-scoring worker differs from the previous
     partition's best-scoring worker for them (None without a previous partition)."""
     notes: tuple[str, ...] = ()
+    best_similarity: float | None = None
+    """Mean cosine of a training request to its nearest centroid (the drift baseline)."""
+    occupancy_skew: float | None = None
+    """How unevenly training requests spread over nearest workers (the drift baseline)."""
+    baseline_held_out: bool = False
+    """Whether the drift baseline was measured on held-out requests."""
 
     def metrics(self) -> dict[str, float]:
         out = {
@@ -133,6 +181,11 @@ class FitReport:
             out["spearman"] = self.spearman
         if self.moved_share is not None:
             out["moved_share"] = self.moved_share
+        if self.best_similarity is not None:
+            out[BEST_SIMILARITY_METRIC] = self.best_similarity
+        if self.occupancy_skew is not None:
+            out[OCCUPANCY_SKEW_METRIC] = self.occupancy_skew
+            out[BASELINE_HELD_OUT_METRIC] = float(self.baseline_held_out)
         return out
 
 
@@ -198,8 +251,14 @@ def fit_partition(
     layer_selection: str = "greedy",
     reduce_dim: int | None = 128,
     min_profiled: int = 2,
+    holdout_prefill: np.ndarray | None = None,
 ) -> tuple[Partition, FitReport]:
     """Fit a new partition for `workers` on N training requests (pure).
+
+    holdout_prefill: prefill counts [M, L*E] of recent requests kept out of the fit; the
+    drift baseline (`FitReport.best_similarity`, `occupancy_skew`) is measured on them when
+    given (training requests sit closer to centroids fitted on them than new traffic
+    will), else on the training requests.
 
     prefill_counts / decode_counts: float32 [N, L*E]. Requests whose prefill counts are all
     zero, or whose signature is zero after calibration (only experts every request uses,
@@ -268,6 +327,14 @@ def fit_partition(
         prices=None,
         metrics={},
     )
+    baseline_sigs = signatures
+    if holdout_prefill is not None:
+        held = calibration.apply(np.asarray(holdout_prefill, dtype=np.float32))
+        held = held[np.any(held != 0, axis=1)]
+        if held.shape[0]:
+            baseline_sigs = held
+            notes.append(f"drift baseline measured on {held.shape[0]} held-out request(s)")
+    best_sim, near = nearest_workers(partition, baseline_sigs)
     fit_report = FitReport(
         n_train=int(signatures.shape[0]),
         kept_layers=len(calibration.kept_layers),
@@ -280,6 +347,9 @@ def fit_partition(
         converged=bool(fit.converged),
         moved_share=moved,
         notes=(*report.notes, *notes),
+        best_similarity=float(best_sim[near >= 0].mean()) if (near >= 0).any() else None,
+        occupancy_skew=occupancy_skew(near, k),
+        baseline_held_out=baseline_sigs is not signatures,
     )
     object.__setattr__(partition, "metrics", fit_report.metrics())
     return partition, fit_report

@@ -10,6 +10,16 @@ a partition for another model, a signature of another geometry, no live worker i
 partition) routes with the best load-only policy, JSQ on the same load measure, and says
 why in `fallback`.
 
+Elastic pools: only live workers are candidates, so a departed worker's centroid is never
+chosen (its cluster's requests go to the best-scoring live workers), and a live worker the
+partition has no centroid for is marked in `FleetView.has_centroid`, so the band rule can
+give it traffic until the trainer refits for the new worker set.
+
+Cost-aware policies (`Policy.uses_activity`, e.g. "eldr_cost") also see, per worker, the
+experts its in-flight requests are predicted to activate (`RouterCore.activity`, fed by
+`note_assignment` for every replica's decisions and `note_finished` for decode profiles);
+`route` takes that view as `expert_miss`.
+
 Replay: `route` is the whole decision as a pure function of its inputs (live workers and
 their loads, the partition, the request, the policy and a generator). `RouterCore.decide`
 reads those inputs from the load table and draws a fresh 63-bit seed per decision for the
@@ -24,6 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from eldr.core.activity import ActivityTable, ExpertDemand, estimate_top_k, expert_demand
 from eldr.core.loadtable import LoadTable
 from eldr.core.partition import Partition
 from eldr.core.policies import (
@@ -154,6 +165,26 @@ def locality_scores(
     return scores, None
 
 
+def request_demand(policy: Policy, req: RouteRequest) -> ExpertDemand | None:
+    """The request's predicted per-step expert activation under `policy`'s parameters
+    (prior, top-k), or None without usable counts."""
+    counts = req.counts
+    if counts is None or counts.ndim != 2 or not np.any(counts):
+        return None
+    params = policy.params()
+    top_k = int(params.get("top_k", 0) or 0) or estimate_top_k(counts, req.prompt_tokens)
+    prior = float(params.get("prior_tokens", 1.0))
+    return expert_demand(counts, top_k=min(top_k, counts.shape[1]), prior_tokens=prior)
+
+
+def has_centroid(partition: Partition | None, workers: tuple[str, ...]) -> np.ndarray | None:
+    """Which of `workers` own a centroid in `partition` (None: no partition, or all do)."""
+    if partition is None:
+        return None
+    mask = np.array([partition.owns(w) for w in workers], dtype=bool)
+    return None if mask.all() else mask
+
+
 def route(
     req: RouteRequest,
     *,
@@ -167,6 +198,8 @@ def route(
     rng: np.random.Generator,
     rng_seed: int | None = None,
     max_scores: int = 8,
+    expert_miss: np.ndarray | None = None,
+    demand: ExpertDemand | None = None,
 ) -> RouteOutcome:
     """The decision for `req` given the router's inputs (pure apart from `policy`'s own
     state, the round-robin cursor).
@@ -174,16 +207,38 @@ def route(
     workers: the live workers (non-empty); in_flight / kv_tokens: their loads, aligned.
     `tau` is passed to the centroid index (an approximate index may skip workers certainly
     outside the band). A locality policy that cannot score the request routes with JSQ on
-    `load_measure` and says why in `fallback`.
+    `load_measure` and says why in `fallback`. expert_miss: for policies that use worker
+    activity, `ActivityTable.miss_view(workers)` at decision time (None: not tracked);
+    demand: `request_demand(policy, req)` if the caller has it already.
     """
     scores: np.ndarray | None = None
     fallback: str | None = None
     chooser = policy
-    if policy.uses_signature:
-        scores, fallback = locality_scores(partition, req, workers, tau)
-        if scores is None:
+    if policy.wants_scores:
+        scores, reason = locality_scores(partition, req, workers, tau)
+        if policy.uses_signature and scores is None:
             chooser = _JSQ[load_measure]
-    view = FleetView(workers=workers, in_flight=in_flight, kv_tokens=kv_tokens, scores=scores)
+            fallback = reason
+    probability: np.ndarray | None = None
+    if policy.uses_activity:
+        expert = demand if demand is not None else request_demand(policy, req)
+        if expert is None:
+            fallback = req.signature_error or (
+                "no_signature" if req.counts is None else "empty_signature"
+            )
+        else:
+            probability = expert.probability()
+            if expert_miss is not None and expert_miss.shape[1] != probability.shape[0]:
+                expert_miss = None  # the table holds another model's geometry
+    view = FleetView(
+        workers=workers,
+        in_flight=in_flight,
+        kv_tokens=kv_tokens,
+        scores=scores,
+        has_centroid=None if scores is None else has_centroid(partition, workers),
+        expert_miss=expert_miss if probability is not None else None,
+        demand=probability,
+    )
     choice = chooser.choose(view, rng)
     if choice.fallback and fallback is None:
         fallback = choice.fallback
@@ -198,7 +253,7 @@ def route(
         policy=policy.name,
         params=policy.params(),
         partition_version=(
-            partition.version if partition is not None and policy.uses_signature else None
+            partition.version if partition is not None and policy.wants_scores else None
         ),
         fallback=fallback,
         scores=ranked,
@@ -224,10 +279,15 @@ class RouterCore:
         table: LoadTable,
         rng: np.random.Generator,
         max_scores: int = 8,
+        activity_ttl_s: float = 600.0,
     ) -> None:
         self.table = table
         self.rng = rng
         self.max_scores = max_scores
+        self.activity = ActivityTable(ttl_s=activity_ttl_s)
+        """Per worker, the experts its in-flight requests are predicted to activate."""
+        self._last_demand: tuple[str, ExpertDemand | None] | None = None
+        """The demand `decide` computed last, reused when its assignment is noted."""
         self.partition: Partition | None = None
         self.spec = policy
         self.policy: Policy = make_policy(policy)
@@ -246,12 +306,41 @@ class RouterCore:
     def load_measure(self) -> LoadMeasure:
         return self.spec.load_measure
 
+    def note_assignment(
+        self,
+        worker_id: str,
+        request_id: str,
+        counts: np.ndarray | None,
+        prompt_tokens: int,
+        now_s: float,
+    ) -> None:
+        """A decision (any replica's) sent a request to a worker: count its experts there."""
+        last = self._last_demand
+        if last is not None and last[0] == request_id:
+            demand = last[1]
+        else:
+            demand = request_demand(
+                self.policy, RouteRequest(request_id, "", prompt_tokens, counts=counts)
+            )
+        if demand is not None:
+            self.activity.add(worker_id, request_id, demand, now_s)
+
+    def note_finished(self, request_id: str) -> None:
+        """A request finished decoding: its experts no longer load its worker's steps."""
+        self.activity.finish(request_id)
+
     def decide(self, req: RouteRequest, now_s: float) -> RouteOutcome:
         live = self.table.live_workers(now_s)
         if not live:
             raise NoLiveWorkersError("no live decode worker in the load table")
         in_flight, kv = self.table.loads(live)
         seed = int(self.rng.integers(SEED_LIMIT))
+        demand: ExpertDemand | None = None
+        miss: np.ndarray | None = None
+        if self.policy.uses_activity:
+            demand = request_demand(self.policy, req)
+            self._last_demand = (req.request_id, demand)
+            miss = self.activity.miss_view(live)
         return route(
             req,
             policy=self.policy,
@@ -264,4 +353,6 @@ class RouterCore:
             rng=self._decision_rng.seeded(seed),
             rng_seed=seed,
             max_scores=self.max_scores,
+            expert_miss=miss,
+            demand=demand,
         )

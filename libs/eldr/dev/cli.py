@@ -9,6 +9,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy import make_url
+
+from eldr.bus.client import redact_url
 from eldr.dev.stack import (
     SERVICES,
     DevStackSettings,
@@ -83,9 +86,11 @@ def up(args: argparse.Namespace) -> int:
         started = ", ".join(p.instance_id for p in stack.processes)
         log.info(
             "stack up: NATS %s, namespace %s, database %s; services %s%s. Ctrl-C stops it.",
-            stack.nats_url,
+            redact_url(stack.nats_url or "-"),
             stack.namespace,
-            stack.database_url or "-",
+            make_url(stack.database_url).render_as_string(hide_password=True)
+            if stack.database_url
+            else "-",
             started,
             f" (not written yet: {', '.join(stack.skipped)})" if stack.skipped else "",
         )

@@ -105,6 +105,11 @@ class EmbeddedNats:
         return self._ensure_work_dir() / "nats-server.log"
 
     @property
+    def pid(self) -> int | None:
+        """Process id of the running server (None when stopped)."""
+        return self._process.pid if self.running and self._process is not None else None
+
+    @property
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 

@@ -507,6 +507,24 @@ class Stack:
                 return process
         raise KeyError(instance_id)
 
+    def restart(self, instance_id: str, *, kill: bool = True, wait_ready: bool = True) -> float:
+        """Replace a replica by a new process with the same instance id and settings (fault
+        tests): SIGKILL it first when `kill` (else it must have exited), start the new one
+        and, with `wait_ready`, wait for its /readyz. Returns the seconds from the kill to
+        ready (or to the start)."""
+        old = self.process(instance_id)
+        started = time.monotonic()
+        if kill:
+            old.kill()
+        elif old.returncode is None:
+            raise StackError(f"{instance_id} is still running; pass kill=True")
+        old.join_output()
+        new = self._spawn(old.spec, old.index)
+        self.processes[self.processes.index(old)] = new
+        if wait_ready:
+            self._wait_ready([new])
+        return time.monotonic() - started
+
     def __enter__(self) -> Stack:
         return self.start()
 

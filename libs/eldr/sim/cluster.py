@@ -9,21 +9,56 @@ batch is full (`max_batch`). Each request replays its recorded decode trace, so 
 of every step are the model's real choices, not a statistical stand-in.
 
 Everything runs in simulated time; the same inputs and seed give the same results.
+
+Beyond a fixed fleet (all optional; without them a run is what it always was):
+
+- **Elastic fleets**: `timeline` lists workers joining and leaving at simulated times
+  (`FleetEvent`); `SimConfig.num_workers` is the number of worker slots over the whole
+  run and `initial_workers` those live at the start. A leaving worker gets no new request
+  from that instant and drains what it holds (its running and waiting requests finish).
+- **Mid-run partition swaps**: a `SimController` is called every `period_s` of simulated
+  time with what happened since its last call (arrivals with their workers, finished
+  requests, the live workers) and may return a `ScoreUpdate`: new per-request scores
+  (a refitted partition, -inf for workers without a centroid), applied after its
+  `delay_s` (the fit's own duration). Each arrival records the version it was routed with.
+- **Worker activity**: policies that use it (`Policy.uses_activity`) see each worker's
+  predicted per-step expert activity from the prefill-derived demand of its in-flight
+  requests (`eldr.core.activity`), exactly what a live router derives from the decisions
+  and profiles streams (`demands`, one per request).
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
+from eldr.core.activity import ActivityTable, ExpertDemand
 from eldr.core.costmodel import CostProfile
 from eldr.core.policies import FleetView, Policy
 from eldr.sim.worker import UnionCounter, flatten_decode_ids
 
-__all__ = ["SimConfig", "SimRequest", "SimResult", "flatten_decode_ids", "simulate"]
+__all__ = [
+    "FleetEvent",
+    "ScoreUpdate",
+    "SimConfig",
+    "SimController",
+    "SimObservation",
+    "SimRequest",
+    "SimResult",
+    "flatten_decode_ids",
+    "simulate",
+    "worker_name",
+]
+
+
+def worker_name(slot: int) -> str:
+    """The id the simulator gives worker slot `slot` in fleet views."""
+    return f"w{slot}"
 
 
 @dataclass(frozen=True)
@@ -53,10 +88,19 @@ class SimConfig:
     max_batch: int = 64
     warmup_fraction: float = 0.1
     seed: int = 0
+    initial_workers: tuple[int, ...] | None = None
+    """Worker slots live at time 0 (default: all `num_workers`)."""
 
     def __post_init__(self) -> None:
         if self.num_workers <= 0:
             raise ValueError("num_workers must be positive")
+        if self.initial_workers is not None:
+            if not self.initial_workers:
+                raise ValueError("initial_workers must name at least one slot")
+            if len(set(self.initial_workers)) != len(self.initial_workers):
+                raise ValueError("initial_workers must be distinct")
+            if min(self.initial_workers) < 0 or max(self.initial_workers) >= self.num_workers:
+                raise ValueError(f"initial_workers must be slots in [0, {self.num_workers})")
         if self.arrival_rate_per_s <= 0:
             raise ValueError("arrival_rate_per_s must be positive")
         if self.num_arrivals <= 0:
@@ -65,6 +109,55 @@ class SimConfig:
             raise ValueError("max_batch must be positive")
         if not 0 <= self.warmup_fraction < 1:
             raise ValueError("warmup_fraction must be in [0, 1)")
+
+
+@dataclass(frozen=True)
+class FleetEvent:
+    """Worker slots joining and/or leaving at simulated time `at_s`."""
+
+    at_s: float
+    join: tuple[int, ...] = ()
+    leave: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.at_s < 0:
+            raise ValueError(f"at_s must be non-negative, got {self.at_s}")
+        if set(self.join) & set(self.leave):
+            raise ValueError("a slot cannot join and leave in the same event")
+
+
+@dataclass(frozen=True)
+class ScoreUpdate:
+    """A partition swap: scores [requests, num_workers] (-inf: no centroid), its version."""
+
+    scores: np.ndarray
+    version: int
+    delay_s: float = 0.0
+    """Simulated time from the controller's call to the swap (the fit's duration)."""
+
+
+@dataclass(frozen=True)
+class SimObservation:
+    """What a controller sees at one call: events since its previous call.
+
+    arrivals: (arrival index, request index, time, worker slot) of requests routed;
+    finished: (arrival index, request index, time, worker slot) of requests that finished.
+    """
+
+    now_s: float
+    live: tuple[int, ...]
+    arrivals: tuple[tuple[int, int, float, int], ...]
+    finished: tuple[tuple[int, int, float, int], ...]
+    version: int
+
+
+class SimController(Protocol):
+    """Called every `period_s` simulated seconds while requests still arrive."""
+
+    @property
+    def period_s(self) -> float: ...
+
+    def on_tick(self, obs: SimObservation) -> ScoreUpdate | None: ...
 
 
 @dataclass
@@ -89,6 +182,25 @@ class SimResult:
     fallbacks: dict[str, int] = field(default_factory=dict)
     queued_share: float = 0.0  # share of measured requests that waited for a free batch slot
     sim_end_s: float = 0.0
+    assigned_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    """Per arrival (all, warm-up included): when it was routed."""
+    version_of: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """Per arrival: the partition version it was routed with (-1: none)."""
+    union_step_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    """Start time of each step counted in `union_per_layer_steps`."""
+    joined_s: dict[int, float] = field(default_factory=dict)
+    """Worker slot -> when it joined (timeline joins only)."""
+    left_s: dict[int, float] = field(default_factory=dict)
+    """Worker slot -> when it left."""
+    swaps: list[tuple[float, int]] = field(default_factory=list)
+    """(time, version) of every partition swap applied."""
+
+    def union_between(self, start_s: float, end_s: float) -> float:
+        """Mean expert union per MoE layer of the counted steps starting in [start, end)."""
+        mask = (self.union_step_s >= start_s) & (self.union_step_s < end_s)
+        if not mask.any():
+            return float("nan")
+        return float(self.union_per_layer_steps[mask].mean())
 
     def tpot_percentile_ms(self, q: float) -> float:
         if self.tpot_s.size == 0:
@@ -136,6 +248,11 @@ def simulate(
     num_moe_layers: int,
     union_slots: int,
     scores: np.ndarray | None = None,
+    scores_version: int = -1,
+    has_centroid: np.ndarray | None = None,
+    demands: Sequence[ExpertDemand] | None = None,
+    timeline: Sequence[FleetEvent] = (),
+    controller: SimController | None = None,
 ) -> SimResult:
     """Run one simulation.
 
@@ -143,13 +260,28 @@ def simulate(
     sequence for every policy, so policies are compared on identical traffic).
     scores: float32 [len(requests), num_workers] similarity of each request's signature to
     each worker's centroid, used by policies that route by locality; None for load-only.
+    scores_version: the partition version those scores come from (recorded per arrival).
+    has_centroid: bool [num_workers], which slots own a centroid (default: the slots with a
+    finite score for some request).
     union_slots: size of the (layer, expert) id space (moe_layers * num_experts).
+    demands: per request, its predicted per-step expert activation; needed by policies
+    that use worker activity.
+    timeline: workers joining and leaving (see the module docstring); controller: called
+    periodically, may swap the partition.
     """
     n_arr = int(arrival_requests.shape[0])
     if n_arr != config.num_arrivals:
         raise ValueError("arrival_requests must have config.num_arrivals entries")
     if policy.uses_signature and scores is None:
         raise ValueError(f"policy {policy.name} needs scores")
+    if policy.uses_activity and demands is None:
+        raise ValueError(f"policy {policy.name} needs demands")
+    W = config.num_workers
+    if scores is not None and scores.shape != (len(requests), W):
+        raise ValueError(f"scores has shape {scores.shape}, expected ({len(requests)}, {W})")
+    for ev in timeline:
+        if any(not 0 <= slot < W for slot in (*ev.join, *ev.leave)):
+            raise ValueError(f"fleet event at {ev.at_s} names a slot outside [0, {W})")
     rng = np.random.default_rng(config.seed)
     gaps = rng.exponential(1.0 / config.arrival_rate_per_s, size=n_arr)
     arrival_s = np.cumsum(gaps)
@@ -157,11 +289,25 @@ def simulate(
     # arrival times are identical across policies for a seed.
     policy_rng = np.random.default_rng([config.seed, 1])
 
-    W = config.num_workers
     workers = [_Worker() for _ in range(W)]
-    worker_ids = tuple(f"w{i}" for i in range(W))
+    worker_ids = tuple(worker_name(i) for i in range(W))
     in_flight = np.zeros(W, dtype=np.int64)
     kv_tokens = np.zeros(W, dtype=np.int64)
+    live = np.zeros(W, dtype=bool)
+    if config.initial_workers is None:
+        live[:] = True
+    else:
+        live[list(config.initial_workers)] = True
+    live_idx = np.flatnonzero(live)
+    live_ids = tuple(worker_ids[i] for i in live_idx)
+    everyone = bool(live.all())
+
+    cur_scores = scores
+    cur_version = scores_version
+    centroid_mask = _centroid_mask(scores, has_centroid)
+    track_activity = policy.uses_activity and demands is not None
+    activity = ActivityTable(ttl_s=float("inf")) if track_activity else None
+    demand_p: dict[int, np.ndarray] = {}
 
     warm_idx = int(config.warmup_fraction * n_arr)
     window_start = float(arrival_s[warm_idx]) if warm_idx < n_arr else float(arrival_s[-1])
@@ -171,15 +317,32 @@ def simulate(
     admitted_s = np.full(n_arr, np.nan)
     finished_s = np.full(n_arr, np.nan)
     worker_of = np.full(n_arr, -1, dtype=np.int64)
+    version_of = np.full(n_arr, -1, dtype=np.int64)
     blocked = np.zeros(n_arr, dtype=bool)
     union_samples: list[float] = []
+    union_times: list[float] = []
     batch_samples: list[int] = []
     imbalance: list[float] = []
     fallbacks: dict[str, int] = {}
     union = UnionCounter(union_slots)
+    joined_s: dict[int, float] = {}
+    left_s: dict[int, float] = {}
+    swaps: list[tuple[float, int]] = []
+    seen_arrivals: list[tuple[int, int, float, int]] = []
+    seen_finished: list[tuple[int, int, float, int]] = []
 
     events: list[tuple[float, int, int]] = []  # (time, tie-breaker, worker) step ends
     tie = 0
+    # Control events: (time, tie-breaker, kind, payload); kinds below.
+    control: list[tuple[float, int, int, object]] = []
+    for ev in timeline:
+        tie += 1
+        heapq.heappush(control, (ev.at_s, tie, _FLEET, ev))
+    if controller is not None:
+        if controller.period_s <= 0:
+            raise ValueError("a controller's period_s must be positive")
+        tie += 1
+        heapq.heappush(control, (controller.period_s, tie, _TICK, None))
 
     def start_step(w: int, now: float) -> None:
         nonlocal tie
@@ -203,6 +366,7 @@ def simulate(
         dt = cost.step_time_s(union_total, float(wk.kv_tokens))
         if window_start <= now <= window_end:
             union_samples.append(union_total / num_moe_layers)
+            union_times.append(now)
             batch_samples.append(len(wk.running))
         wk.busy = True
         tie += 1
@@ -223,6 +387,10 @@ def simulate(
                 done_kv = req.prompt_tokens + req.decode_tokens
                 wk.kv_tokens -= done_kv
                 kv_tokens[w] -= done_kv
+                if activity is not None:
+                    activity.finish(str(a))
+                if controller is not None:
+                    seen_finished.append((a, int(arrival_requests[a]), now, w))
             else:
                 keep_a.append(a)
                 keep_p.append(p)
@@ -230,34 +398,117 @@ def simulate(
         wk.running_pos = keep_p
         start_step(w, now)
 
+    def set_live() -> None:
+        nonlocal live_idx, live_ids, everyone
+        live_idx = np.flatnonzero(live)
+        live_ids = tuple(worker_ids[i] for i in live_idx)
+        everyone = bool(live.all())
+
+    def on_control(now: float, kind: int, payload: object) -> None:
+        nonlocal tie, cur_scores, cur_version, centroid_mask
+        if kind == _FLEET:
+            assert isinstance(payload, FleetEvent)
+            for slot in payload.leave:
+                if live[slot]:
+                    live[slot] = False
+                    left_s[slot] = now
+            for slot in payload.join:
+                if not live[slot]:
+                    live[slot] = True
+                    joined_s[slot] = now
+            set_live()
+        elif kind == _TICK:
+            assert controller is not None
+            obs = SimObservation(
+                now_s=now,
+                live=tuple(int(i) for i in live_idx),
+                arrivals=tuple(seen_arrivals),
+                finished=tuple(seen_finished),
+                version=cur_version,
+            )
+            seen_arrivals.clear()
+            seen_finished.clear()
+            update = controller.on_tick(obs)
+            if update is not None:
+                if update.scores.shape != (len(requests), W):
+                    raise ValueError(
+                        f"update scores shaped {update.scores.shape}, "
+                        f"expected ({len(requests)}, {W})"
+                    )
+                tie += 1
+                heapq.heappush(control, (now + max(0.0, update.delay_s), tie, _SWAP, update))
+            tie += 1
+            heapq.heappush(control, (now + controller.period_s, tie, _TICK, None))
+        else:
+            assert isinstance(payload, ScoreUpdate)
+            cur_scores = payload.scores
+            cur_version = payload.version
+            centroid_mask = _centroid_mask(cur_scores, None)
+            swaps.append((now, payload.version))
+
     next_arrival = 0
     now = 0.0
     while next_arrival < n_arr or events:
         t_arr = arrival_s[next_arrival] if next_arrival < n_arr else np.inf
-        if events and events[0][0] <= t_arr:
+        t_step = events[0][0] if events else np.inf
+        t_ctl = control[0][0] if control and next_arrival < n_arr else np.inf
+        if t_step <= t_arr and t_step <= t_ctl:
             now, _, w = heapq.heappop(events)
             end_step(w, now)
+            continue
+        if t_ctl <= t_arr:
+            now, _, kind, payload = heapq.heappop(control)
+            on_control(now, kind, payload)
             continue
         now = float(t_arr)
         a = next_arrival
         next_arrival += 1
         req_idx = int(arrival_requests[a])
-        row = scores[req_idx] if (scores is not None and policy.uses_signature) else None
-        view = FleetView(workers=worker_ids, in_flight=in_flight, kv_tokens=kv_tokens, scores=row)
+        if not live_idx.size:
+            raise ValueError(f"no live worker at {now:.3f} s (arrival {a})")
+        row: np.ndarray | None = None
+        mask: np.ndarray | None = None
+        if cur_scores is not None and policy.wants_scores:
+            row = cur_scores[req_idx] if everyone else cur_scores[req_idx, live_idx]
+            if centroid_mask is not None:
+                sub = centroid_mask if everyone else centroid_mask[live_idx]
+                mask = None if sub.all() else sub
+        demand: np.ndarray | None = None
+        miss: np.ndarray | None = None
+        if activity is not None and demands is not None:
+            demand = demand_p.get(req_idx)
+            if demand is None:
+                demand = demand_p[req_idx] = demands[req_idx].probability()
+            miss = activity.miss_view(live_ids)
+        view = FleetView(
+            workers=live_ids,
+            in_flight=in_flight if everyone else in_flight[live_idx],
+            kv_tokens=kv_tokens if everyone else kv_tokens[live_idx],
+            scores=row,
+            has_centroid=mask,
+            expert_miss=miss,
+            demand=demand,
+        )
         choice = policy.choose(view, policy_rng)
         if choice.fallback:
             fallbacks[choice.fallback] = fallbacks.get(choice.fallback, 0) + 1
-        w = choice.index
+        w = int(live_idx[choice.index])
         if a >= warm_idx:
-            mean_load = in_flight.mean()
+            loads = in_flight if everyone else in_flight[live_idx]
+            mean_load = loads.mean()
             if mean_load > 0:
-                imbalance.append(float(in_flight.max() / mean_load))
+                imbalance.append(float(loads.max() / mean_load))
         worker_of[a] = w
+        version_of[a] = cur_version if row is not None else -1
         assigned_s[a] = now
         in_flight[w] += 1
         req = requests[req_idx]
         workers[w].kv_tokens += req.prompt_tokens
         kv_tokens[w] += req.prompt_tokens
+        if activity is not None and demands is not None:
+            activity.add(worker_ids[w], str(a), demands[req_idx], now)
+        if controller is not None:
+            seen_arrivals.append((a, req_idx, now, w))
         workers[w].waiting.append(a)
         if not workers[w].busy:
             start_step(w, now)
@@ -282,4 +533,23 @@ def simulate(
         fallbacks=fallbacks,
         queued_share=float(blocked[measured].mean()) if measured.size else 0.0,
         sim_end_s=now,
+        assigned_s=assigned_s,
+        version_of=version_of,
+        union_step_s=np.asarray(union_times, dtype=np.float64),
+        joined_s=joined_s,
+        left_s=left_s,
+        swaps=swaps,
     )
+
+
+_FLEET, _TICK, _SWAP = 0, 1, 2
+"""Control event kinds: a fleet change, a controller call, a partition swap."""
+
+
+def _centroid_mask(scores: np.ndarray | None, given: np.ndarray | None) -> np.ndarray | None:
+    """Which slots own a centroid: `given`, else those with a finite score somewhere."""
+    if given is not None:
+        return np.asarray(given, dtype=bool)
+    if scores is None:
+        return None
+    return np.asarray(np.isfinite(scores).any(axis=0), dtype=bool)

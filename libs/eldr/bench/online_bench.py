@@ -1,0 +1,771 @@
+"""`eldr bench --scenario drift|churn`: online refit and elastic decode pools, simulated.
+
+Both scenarios replay recorded expert traces through the decode-cluster simulator
+(`eldr.sim.cluster`) with the trainer's own pieces: partitions come from
+`eldr.core.partition.fit_partition` (calibration and balanced K-means, aligned to the
+previous version), refits are triggered and gated by `eldr.core.online` (drift monitor,
+churn detection, shadow evaluation on held-out recent requests). `OnlineRefitter` plays
+the trainer inside simulated time: it sees each routed request and each finished one
+(its decode profile), keeps a rolling window, and swaps the routers' partition when a
+refit is promoted.
+
+- **drift**: the workload mix changes mid-run: the first half of the arrivals are one
+  subject's requests, the second half another's. The partition starts fitted on the first
+  subject's calibration requests. Compared on the second half (the paper's rule): the
+  static partition, the online refitter, and two references fitted for the new subject
+  beforehand (on its calibration split, out of sample; on the very requests replayed, in
+  sample, the upper reference). Gain = expert-union reduction against the best load-only
+  baseline over the second half; the refitter's recovered share = (gain online - gain
+  static) / (gain reference - gain static), reported against both references.
+- **churn**: decode workers leave and join mid-run. Checked for every policy: no request
+  is routed to a worker after it left, and every worker that joined gets its first request
+  within one refit interval; also the longest time any live worker went without a request.
+
+Simulated times are seconds of the simulated cluster; "refit interval" is simulated too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from eldr.bench.routing_bench import (
+    BASELINES,
+    Prepared,
+    _load_input,
+    prepare,
+    rates_for_batch_targets,
+)
+from eldr.core.costmodel import CostProfile
+from eldr.core.online import (
+    DriftBaseline,
+    DriftMonitor,
+    DriftThresholds,
+    partition_scores,
+    per_token_activation,
+    prefill_activation,
+    promotion_verdict,
+    refit_trigger,
+    shadow_evaluate,
+)
+from eldr.core.partition import Partition, fit_partition
+from eldr.core.policies import DEFAULT_POLICY, PAPER_POLICY, PolicySpec, make_policy
+from eldr.core.trace import TraceSet, counts_matrix
+from eldr.data.profiles import DEFAULT_PROFILE_FOR_TRACES, load_catalog
+from eldr.sim.cluster import (
+    FleetEvent,
+    ScoreUpdate,
+    SimConfig,
+    SimObservation,
+    SimResult,
+    simulate,
+    worker_name,
+)
+
+log = logging.getLogger(__name__)
+
+MODEL = "bench"
+
+
+@dataclass(frozen=True)
+class OnlineConfig:
+    decoders: int = 16
+    tau: float = 0.1
+    batch_target: float = 32.0
+    """Per-worker batch the arrival rate is derived for (Little's law, as `eldr bench`)."""
+    arrivals: int = 6000
+    max_batch: int = 256
+    calibration_fraction: float = 0.4
+    profile: str = DEFAULT_PROFILE_FOR_TRACES
+    seed: int = 0
+    refit_interval_s: float = 2.0
+    """Scheduled refit period, simulated seconds."""
+    tick_s: float = 0.25
+    """How often the refitter looks at the traffic (drift and churn checks)."""
+    window_s: float = 4.0
+    """Rolling window: requests routed within this many simulated seconds."""
+    min_samples: int = 16
+    """Distinct requests a refit needs (and at least one per worker)."""
+    fit_delay_s: float = 0.5
+    """Simulated time from a refit's start to the routers using its result."""
+    min_gain: float = 0.0
+    """A candidate must lower the modelled union by more than this fraction."""
+    holdout_fraction: float = 0.25
+    """Share of the window's distinct requests held out of the fit (by a hash of the
+    request): the shadow gate and the drift baseline are measured on their arrivals."""
+    min_holdout: int = 32
+    """Fewer held-out arrivals with a decode profile: promote without a gate (say so)."""
+    churn_settle_s: float = 0.25
+    drift_min_gap_s: float = 1.0
+    drift_fit_s: float = 1.0
+    """A drift-triggered refit fits on the last this many seconds only (older traffic is
+    what drifted away)."""
+    drift: DriftThresholds = field(default_factory=lambda: DriftThresholds(min_samples=64))
+    drift_window: int = 256
+    drift_from: str | None = None
+    drift_to: str | None = None
+    """Subjects (labels) before and after the shift; default: the two largest."""
+
+
+@dataclass
+class RefitEvent:
+    at_s: float
+    trigger: str
+    promoted: bool
+    version: int | None
+    reason: str
+    n_train: int = 0
+    n_holdout: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "at_s": round(self.at_s, 3),
+            "trigger": self.trigger,
+            "promoted": self.promoted,
+            "version": self.version,
+            "n_train": self.n_train,
+            "n_holdout": self.n_holdout,
+            "reason": self.reason,
+        }
+
+
+class OnlineRefitter:
+    """The trainer inside simulated time (a `SimController`)."""
+
+    def __init__(
+        self,
+        prepared: Prepared,
+        initial: Partition,
+        config: OnlineConfig,
+        num_slots: int,
+    ) -> None:
+        self.prepared = prepared
+        self.config = config
+        self.num_slots = num_slots
+        traces = prepared.traces
+        self.geometry = traces.geometry
+        assert prepared.prefill_counts is not None
+        self.prefill = prepared.prefill_counts
+        self.decode = counts_matrix(traces.traces, self.geometry, "decode")
+        self.active = initial
+        self.version = initial.version
+        self.monitor = self._monitor(initial)
+        self.window: deque[tuple[float, int]] = deque()  # (time routed, request index)
+        self.profiled: set[int] = set()
+        self.last_fit_s: float | None = 0.0
+        self.drift_cut_s = -math.inf
+        """Traffic before this is what drifted away: no later fit uses it."""
+        self.live: tuple[str, ...] = ()
+        self.live_since_s = 0.0
+        self.events: list[RefitEvent] = []
+
+    @property
+    def period_s(self) -> float:
+        return self.config.tick_s
+
+    def _monitor(self, partition: Partition) -> DriftMonitor:
+        # A version fitted without held-out requests gets its baseline from the first
+        # requests it serves (`DriftBaseline.from_metrics` says None for it).
+        return DriftMonitor(
+            partition,
+            DriftBaseline.from_metrics(partition.metrics),
+            window=self.config.drift_window,
+            thresholds=self.config.drift,
+        )
+
+    def on_tick(self, obs: SimObservation) -> ScoreUpdate | None:
+        cfg = self.config
+        for _, req, t, _ in obs.arrivals:
+            self.window.append((t, req))
+        if obs.arrivals:
+            self.monitor.observe_many(self.prefill[[req for _, req, _, _ in obs.arrivals]])
+        self.profiled.update(req for _, req, _, _ in obs.finished)
+        while self.window and self.window[0][0] < obs.now_s - cfg.window_s:
+            self.window.popleft()
+        live = tuple(worker_name(i) for i in obs.live)
+        if set(live) != set(self.live):
+            self.live = live
+            self.live_since_s = obs.now_s
+        trigger = refit_trigger(
+            now_s=obs.now_s,
+            last_fit_s=self.last_fit_s,
+            interval_s=cfg.refit_interval_s,
+            live=live,
+            active_workers=self.active.workers,
+            live_since_s=self.live_since_s,
+            churn_settle_s=cfg.churn_settle_s,
+            drift=self.monitor.status(),
+            min_gap_s=cfg.drift_min_gap_s,
+        )
+        if trigger is None:
+            return None
+        return self._refit(obs.now_s, trigger, live)
+
+    def _refit(self, now_s: float, trigger: str, live: tuple[str, ...]) -> ScoreUpdate | None:
+        cfg = self.config
+        self.last_fit_s = now_s
+        span_s = cfg.drift_fit_s if trigger == "drift" else cfg.window_s
+        since_s = max(now_s - span_s, self.drift_cut_s)
+        rows = np.array([req for t, req in self.window if t >= since_s], dtype=np.int64)
+        # The replay samples a small pool with replacement: a request (trace) recurs, so
+        # requests, not arrivals, are split into fit and held-out sets, and the fit sees
+        # each once (a trainer's window holds each request id once).
+        distinct = np.unique(rows)
+        held = _holdout(distinct, cfg.holdout_fraction, cfg.seed)
+        train = np.setdiff1d(distinct, held)
+        need = max(cfg.min_samples, len(live))
+        if train.size < need:
+            self.events.append(
+                RefitEvent(
+                    now_s,
+                    trigger,
+                    False,
+                    None,
+                    f"skipped: {train.size} requests to fit on, a refit needs {need}",
+                )
+            )
+            return None
+        profiled = np.array(sorted(self.profiled), dtype=np.int64)
+        decode = self.decode[train].copy()
+        decode[~np.isin(train, profiled)] = 0.0
+        eval_rows = rows[np.isin(rows, held) & np.isin(rows, profiled)]
+        candidate, _ = fit_partition(
+            self.prefill[train],
+            decode,
+            self.geometry,
+            sorted(live),
+            version=self.version + 1,
+            model=MODEL,
+            seed=cfg.seed,
+            previous=self.active,
+            holdout_prefill=self.prefill[rows[np.isin(rows, held)]] if held.size else None,
+        )
+        forced = ""
+        if set(live) != set(self.active.workers):
+            forced = "the live workers differ from the active version's"
+        shadow = None
+        held_rows = rows[np.isin(rows, held)]
+        L = self.geometry.num_moe_layers
+        if eval_rows.size >= cfg.min_holdout:
+            activation = per_token_activation(self.decode[eval_rows], L, self.geometry.top_k)
+            source = "decode profiles"
+        else:
+            # Too few held-out requests have finished: their prompts stand in for them.
+            eval_rows = held_rows
+            activation = prefill_activation(self.prefill[eval_rows], L, self.geometry.top_k)
+            source = "prefill proxy, too few decode profiles"
+        missing = f"{eval_rows.size} held-out requests, the shadow gate needs {cfg.min_holdout}"
+        if eval_rows.size >= cfg.min_holdout:
+            shadow = shadow_evaluate(
+                self.active,
+                candidate,
+                self.prefill[eval_rows],
+                activation,
+                sorted(live),
+                batch=cfg.batch_target,
+                num_moe_layers=L,
+                tau=cfg.tau,
+                source=source,
+            )
+        verdict = promotion_verdict(shadow, cfg.min_gain, forced=forced, missing=missing)
+        self.events.append(
+            RefitEvent(
+                now_s,
+                trigger,
+                verdict.promote,
+                candidate.version if verdict.promote else None,
+                verdict.reason,
+                int(train.size),
+                int(eval_rows.size),
+            )
+        )
+        if not verdict.promote:
+            return None
+        self.version = candidate.version
+        self.active = candidate
+        self.monitor = self._monitor(candidate)
+        if trigger == "drift":
+            self.drift_cut_s = since_s
+        return ScoreUpdate(
+            scores=partition_scores(
+                candidate, self.prefill, [worker_name(i) for i in range(self.num_slots)]
+            ),
+            version=candidate.version,
+            delay_s=cfg.fit_delay_s,
+        )
+
+
+def _holdout(requests: np.ndarray, fraction: float, seed: int) -> np.ndarray:
+    """A deterministic share of `requests` (by a hash of the index, not by position)."""
+    if fraction <= 0 or requests.size == 0:
+        return np.empty(0, dtype=np.int64)
+    keys = (requests.astype(np.uint64) * np.uint64(2654435761) + np.uint64(seed)) % np.uint64(1000)
+    return requests[keys < np.uint64(round(1000 * fraction))]
+
+
+# --- shared ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Setup:
+    traces: TraceSet
+    prepared: Prepared
+    cost: CostProfile
+    rate: float
+    prefill: np.ndarray
+    decode: np.ndarray
+
+
+def _setup(traces: TraceSet, config: OnlineConfig) -> _Setup:
+    from eldr.bench.routing_bench import BenchConfig
+
+    bench = BenchConfig(
+        decoders=config.decoders,
+        tau=config.tau,
+        calibration_fraction=config.calibration_fraction,
+        seed=config.seed,
+    )
+    prepared = prepare(traces, bench)
+    cost = load_catalog().get(config.profile)
+    rate = rates_for_batch_targets(cost, traces, config.decoders, (config.batch_target,))[0]
+    assert prepared.prefill_counts is not None
+    decode = counts_matrix(traces.traces, traces.geometry, "decode")
+    return _Setup(traces, prepared, cost, rate, prepared.prefill_counts, decode)
+
+
+def _fit(setup: _Setup, idx: np.ndarray, workers: Sequence[str], seed: int) -> Partition:
+    partition, _ = fit_partition(
+        setup.prefill[idx],
+        setup.decode[idx],
+        setup.traces.geometry,
+        list(workers),
+        version=1,
+        model=MODEL,
+        seed=seed,
+    )
+    return partition
+
+
+def _run(
+    setup: _Setup,
+    config: OnlineConfig,
+    name: str,
+    arrivals: np.ndarray,
+    num_slots: int,
+    *,
+    partition: Partition | None = None,
+    controller: OnlineRefitter | None = None,
+    timeline: Sequence[FleetEvent] = (),
+    initial: tuple[int, ...] | None = None,
+) -> SimResult:
+    spec = PolicySpec(name=name, tau=config.tau)
+    policy = make_policy(spec)
+    scores = None
+    if partition is not None and policy.wants_scores:
+        scores = partition_scores(
+            partition, setup.prefill, [worker_name(i) for i in range(num_slots)]
+        )
+    geometry = setup.traces.geometry
+    return simulate(
+        setup.prepared.requests,
+        arrivals,
+        policy,
+        setup.cost,
+        SimConfig(
+            num_workers=num_slots,
+            arrival_rate_per_s=setup.rate,
+            num_arrivals=int(arrivals.size),
+            max_batch=config.max_batch,
+            seed=config.seed,
+            initial_workers=initial,
+        ),
+        num_moe_layers=geometry.num_moe_layers,
+        union_slots=geometry.signature_dim,
+        scores=scores,
+        scores_version=partition.version if partition is not None else -1,
+        demands=setup.prepared.demands(policy) if policy.uses_activity else None,
+        timeline=timeline,
+        controller=controller,
+    )
+
+
+def _window_stats(res: SimResult, start_s: float, end_s: float) -> dict[str, float]:
+    """Union and TPOT of the steps / requests of [start, end) (requests by arrival)."""
+    measured_from = res.assigned_s.size - res.tpot_s.size
+    assigned = res.assigned_s[measured_from:]
+    mask = (assigned >= start_s) & (assigned < end_s)
+    tpot = res.tpot_s[mask]
+    return {
+        "union": round(res.union_between(start_s, end_s), 4),
+        "tpot_p50_ms": round(float(np.percentile(tpot, 50) * 1e3), 4) if tpot.size else math.nan,
+        "tpot_p99_ms": round(float(np.percentile(tpot, 99) * 1e3), 4) if tpot.size else math.nan,
+        "requests": int(tpot.size),
+    }
+
+
+def _gain(union: float, baseline_union: float) -> float:
+    """Expert-union reduction against the baseline, percent (positive: fewer experts)."""
+    return round(100.0 * (baseline_union - union) / baseline_union, 3)
+
+
+# --- drift ----------------------------------------------------------------------------
+
+
+def run_drift(traces: TraceSet, config: OnlineConfig) -> dict[str, Any]:
+    started = time.perf_counter()
+    setup = _setup(traces, config)
+    prepared = setup.prepared
+    labels = np.array([t.label for t in traces.traces])
+    by_size = sorted(set(labels.tolist()), key=lambda lab: (-int((labels == lab).sum()), lab))
+    if len(by_size) < 2:
+        raise ValueError("the drift scenario needs traces of at least two labels")
+    src = config.drift_from or by_size[0]
+    dst = config.drift_to or next(lab for lab in by_size if lab != src)
+    cal, ev = prepared.calibration_idx, prepared.evaluation_idx
+    cal_src, cal_dst = cal[labels[cal] == src], cal[labels[cal] == dst]
+    ev_src, ev_dst = ev[labels[ev] == src], ev[labels[ev] == dst]
+    half = config.arrivals // 2
+    rng = np.random.default_rng([config.seed, 5])
+    arrivals = np.concatenate(
+        [
+            ev_src[rng.integers(ev_src.size, size=half)],
+            ev_dst[rng.integers(ev_dst.size, size=config.arrivals - half)],
+        ]
+    )
+    W = config.decoders
+    workers = [worker_name(i) for i in range(W)]
+    static = _fit(setup, cal_src, workers, config.seed)
+    ref_cal = _fit(setup, cal_dst, workers, config.seed)
+    ref_pool = _fit(setup, ev_dst, workers, config.seed)
+
+    runs: dict[str, SimResult] = {}
+    for name in BASELINES:
+        runs[name] = _run(setup, config, name, arrivals, W)
+    runs[DEFAULT_POLICY] = _run(setup, config, DEFAULT_POLICY, arrivals, W)
+    runs["eldr static"] = _run(setup, config, PAPER_POLICY, arrivals, W, partition=static)
+    refitter = OnlineRefitter(prepared, static, config, W)
+    runs["eldr online"] = _run(
+        setup, config, PAPER_POLICY, arrivals, W, partition=static, controller=refitter
+    )
+    runs["eldr reference (new subject, calibration split)"] = _run(
+        setup, config, PAPER_POLICY, arrivals, W, partition=ref_cal
+    )
+    runs["eldr reference (new subject, replayed requests)"] = _run(
+        setup, config, PAPER_POLICY, arrivals, W, partition=ref_pool
+    )
+    res0 = runs[BASELINES[0]]
+    shift_s = float(res0.assigned_s[half])
+    end_s = float(res0.assigned_s[-1])
+    warm_s = float(res0.assigned_s[res0.assigned_s.size - res0.tpot_s.size])
+    phases = {"before": (warm_s, shift_s), "after": (shift_s, end_s + 1e-9)}
+    rows: list[dict[str, Any]] = []
+    for label, res in runs.items():
+        row: dict[str, Any] = {"policy": label}
+        for phase, (a, b) in phases.items():
+            row[phase] = _window_stats(res, a, b)
+        rows.append(row)
+    by = {r["policy"]: r for r in rows}
+    best_after = min(
+        (by[b] for b in BASELINES),
+        key=lambda r: (r["after"]["tpot_p50_ms"], r["after"]["tpot_p99_ms"]),
+    )
+    best_before = min(
+        (by[b] for b in BASELINES),
+        key=lambda r: (r["before"]["tpot_p50_ms"], r["before"]["tpot_p99_ms"]),
+    )
+    for r in rows:
+        r["gain_before_pct"] = _gain(r["before"]["union"], best_before["before"]["union"])
+        r["gain_after_pct"] = _gain(r["after"]["union"], best_after["after"]["union"])
+    g_static = by["eldr static"]["gain_after_pct"]
+    g_online = by["eldr online"]["gain_after_pct"]
+    # What the static partition lost: its own gain before the shift (the issue's reading),
+    # or what a partition fitted for the new subject gets after it (the references).
+    reference_gain = {
+        "vs_static_before_shift": by["eldr static"]["gain_before_pct"],
+        "vs_calibration_reference": by["eldr reference (new subject, calibration split)"][
+            "gain_after_pct"
+        ],
+        "vs_replayed_reference": by["eldr reference (new subject, replayed requests)"][
+            "gain_after_pct"
+        ],
+    }
+    recovered: dict[str, float | None] = {}
+    for key, reference in reference_gain.items():
+        lost = reference - g_static
+        recovered[key] = round((g_online - g_static) / lost, 3) if lost > 0 else None
+    lost_nothing = reference_gain["vs_static_before_shift"] <= g_static
+    target = recovered["vs_static_before_shift"]
+    summary = {
+        "shift_at_s": round(shift_s, 3),
+        "from": src,
+        "to": dst,
+        "best_baseline_after": best_after["policy"],
+        "gain_after_pct": {r["policy"]: r["gain_after_pct"] for r in rows},
+        "static_gain_before_pct": reference_gain["vs_static_before_shift"],
+        "recovered_share": recovered,
+        # With nothing lost there is nothing to recover: the refitter must only not lose.
+        "static_lost_nothing": lost_nothing,
+        "meets_target": (g_online >= g_static) if lost_nothing else bool(target and target >= 0.5),
+        "refits": len(refitter.events),
+        "promoted": sum(e.promoted for e in refitter.events),
+        "first_promotion_after_shift_s": next(
+            (
+                round(e.at_s + config.fit_delay_s - shift_s, 3)
+                for e in refitter.events
+                if e.promoted and e.at_s >= shift_s
+            ),
+            None,
+        ),
+    }
+    return {
+        "scenario": "drift",
+        "input": _input_info(traces, setup, config, arrivals.size),
+        "rows": rows,
+        "refits": [e.as_dict() for e in refitter.events],
+        "summary": summary,
+        "wall_s": round(time.perf_counter() - started, 2),
+    }
+
+
+# --- churn ----------------------------------------------------------------------------
+
+
+def churn_timeline(config: OnlineConfig, duration_s: float) -> tuple[list[FleetEvent], int]:
+    """Two workers leave at 25% of the run, two new ones join at 50%, at 75% one more
+    leaves and another new one joins. Returns the events and the number of slots."""
+    W = config.decoders
+    if W < 4:
+        raise ValueError("the churn scenario needs at least 4 decoders")
+    leave_a, leave_b, leave_c = W // 5, (3 * W) // 4, W // 3
+    events = [
+        FleetEvent(0.25 * duration_s, leave=(leave_a, leave_b)),
+        FleetEvent(0.50 * duration_s, join=(W, W + 1)),
+        FleetEvent(0.75 * duration_s, join=(W + 2,), leave=(leave_c,)),
+    ]
+    return events, W + 3
+
+
+def churn_checks(res: SimResult, end_s: float, interval_s: float) -> dict[str, Any]:
+    """No request after a worker left; joiners' first request within one interval; the
+    longest any live worker went without a request (also within one interval)."""
+    after_leave = 0
+    for slot, left in res.left_s.items():
+        after_leave += int(((res.worker_of == slot) & (res.assigned_s >= left)).sum())
+    first_after_join: dict[str, float | None] = {}
+    for slot, joined in res.joined_s.items():
+        times = res.assigned_s[(res.worker_of == slot) & (res.assigned_s >= joined)]
+        first_after_join[worker_name(slot)] = (
+            round(float(times.min() - joined), 4) if times.size else None
+        )
+    max_gap = 0.0
+    for slot in range(int(res.worker_of.max()) + 1):
+        start = res.joined_s.get(slot, 0.0)
+        stop = res.left_s.get(slot, end_s)
+        times = np.sort(res.assigned_s[res.worker_of == slot])
+        times = times[(times >= start) & (times <= stop)]
+        if slot not in res.joined_s and start == 0.0 and not times.size:
+            continue  # never live
+        points = np.concatenate([[start], times, [stop]])
+        max_gap = max(max_gap, float(np.diff(points).max()))
+    joined_ok = all(v is not None and v <= interval_s for v in first_after_join.values())
+    return {
+        "routed_to_departed": after_leave,
+        "first_request_after_join_s": first_after_join,
+        "max_gap_without_request_s": round(max_gap, 4),
+        "meets_target": after_leave == 0 and joined_ok and max_gap <= interval_s,
+    }
+
+
+def run_churn(traces: TraceSet, config: OnlineConfig) -> dict[str, Any]:
+    started = time.perf_counter()
+    setup = _setup(traces, config)
+    prepared = setup.prepared
+    W = config.decoders
+    rng = np.random.default_rng([config.seed, 6])
+    ev = prepared.evaluation_idx
+    arrivals = ev[rng.integers(ev.size, size=config.arrivals)]
+    duration_s = config.arrivals / setup.rate
+    timeline, slots = churn_timeline(config, duration_s)
+    initial = tuple(range(W))
+    partition = _fit(
+        setup, prepared.calibration_idx, [worker_name(i) for i in initial], config.seed
+    )
+    runs: dict[str, SimResult] = {}
+    for name in BASELINES:
+        runs[name] = _run(setup, config, name, arrivals, slots, timeline=timeline, initial=initial)
+    runs[DEFAULT_POLICY] = _run(
+        setup, config, DEFAULT_POLICY, arrivals, slots, timeline=timeline, initial=initial
+    )
+    runs["eldr static"] = _run(
+        setup,
+        config,
+        PAPER_POLICY,
+        arrivals,
+        slots,
+        partition=partition,
+        timeline=timeline,
+        initial=initial,
+    )
+    refitter = OnlineRefitter(prepared, partition, config, slots)
+    runs["eldr online"] = _run(
+        setup,
+        config,
+        PAPER_POLICY,
+        arrivals,
+        slots,
+        partition=partition,
+        controller=refitter,
+        timeline=timeline,
+        initial=initial,
+    )
+    res0 = runs[BASELINES[0]]
+    end_s = float(res0.assigned_s[-1])
+    warm_s = float(res0.assigned_s[res0.assigned_s.size - res0.tpot_s.size])
+    rows: list[dict[str, Any]] = []
+    for label, res in runs.items():
+        rows.append(
+            {
+                "policy": label,
+                "run": _window_stats(res, warm_s, end_s + 1e-9),
+                "checks": churn_checks(res, end_s, config.refit_interval_s),
+            }
+        )
+    best = min(
+        (r for r in rows if r["policy"] in BASELINES),
+        key=lambda r: (r["run"]["tpot_p50_ms"], r["run"]["tpot_p99_ms"]),
+    )
+    for r in rows:
+        r["gain_pct"] = _gain(r["run"]["union"], best["run"]["union"])
+    return {
+        "scenario": "churn",
+        "input": _input_info(traces, setup, config, arrivals.size),
+        "timeline": [
+            {
+                "at_s": round(e.at_s, 3),
+                "join": [worker_name(s) for s in e.join],
+                "leave": [worker_name(s) for s in e.leave],
+            }
+            for e in timeline
+        ],
+        "rows": rows,
+        "refits": [e.as_dict() for e in refitter.events],
+        "summary": {
+            "best_baseline": best["policy"],
+            "meets_target": {r["policy"]: r["checks"]["meets_target"] for r in rows},
+            "refit_interval_s": config.refit_interval_s,
+        },
+        "wall_s": round(time.perf_counter() - started, 2),
+    }
+
+
+# --- reporting ------------------------------------------------------------------------
+
+
+def _input_info(
+    traces: TraceSet, setup: _Setup, config: OnlineConfig, arrivals: int
+) -> dict[str, Any]:
+    return {
+        "traces": traces.source,
+        "synthetic": traces.synthetic,
+        "requests": len(traces),
+        "decoders": config.decoders,
+        "rate": setup.rate,
+        "batch_target": config.batch_target,
+        "arrivals": arrivals,
+        "cost_profile": setup.cost.name,
+        "tau": config.tau,
+        "seed": config.seed,
+        "refit_interval_s": config.refit_interval_s,
+        "window_s": config.window_s,
+        "tick_s": config.tick_s,
+        "fit_delay_s": config.fit_delay_s,
+        "min_gain": config.min_gain,
+        "holdout_fraction": config.holdout_fraction,
+    }
+
+
+def format_report(result: dict[str, Any]) -> str:
+    inp = result["input"]
+    lines = [
+        f"scenario {result['scenario']}: {inp['traces']} "
+        f"({'SYNTHETIC' if inp['synthetic'] else 'real'} traces), {inp['decoders']} decoders, "
+        f"{inp['rate']} req/s (batch ~{inp['batch_target']:g}), {inp['arrivals']} arrivals, "
+        f"refit every {inp['refit_interval_s']:g} s (simulated), window {inp['window_s']:g} s",
+    ]
+    if result["scenario"] == "drift":
+        s = result["summary"]
+        lines.append(f"shift at {s['shift_at_s']} s: {s['from']} -> {s['to']}")
+        lines.append("")
+        lines.append(
+            f"{'policy':<50} {'union before':>12} {'union after':>11} {'gain after':>10} "
+            f"{'P50 after':>9} {'P99 after':>9}"
+        )
+        for r in result["rows"]:
+            lines.append(
+                f"{r['policy']:<50} {r['before']['union']:>12.3f} {r['after']['union']:>11.3f} "
+                f"{r['gain_after_pct']:>9.2f}% {r['after']['tpot_p50_ms']:>9.3f} "
+                f"{r['after']['tpot_p99_ms']:>9.3f}"
+            )
+    else:
+        lines.append(
+            "timeline: "
+            + "; ".join(
+                f"{e['at_s']} s +{','.join(e['join']) or '-'} -{','.join(e['leave']) or '-'}"
+                for e in result["timeline"]
+            )
+        )
+        lines.append("")
+        lines.append(
+            f"{'policy':<14} {'union':>7} {'gain':>7} {'P50 ms':>8} {'P99 ms':>8} "
+            f"{'to departed':>11} {'max gap s':>9}  first request after join (s)"
+        )
+        for r in result["rows"]:
+            c = r["checks"]
+            lines.append(
+                f"{r['policy']:<14} {r['run']['union']:>7.3f} {r['gain_pct']:>6.2f}% "
+                f"{r['run']['tpot_p50_ms']:>8.3f} {r['run']['tpot_p99_ms']:>8.3f} "
+                f"{c['routed_to_departed']:>11} {c['max_gap_without_request_s']:>9.3f}  "
+                + json.dumps(c["first_request_after_join_s"])
+            )
+    lines.append("")
+    lines.append("refits:")
+    for e in result["refits"]:
+        lines.append(
+            f"  {e['at_s']:>7.3f} s {e['trigger']:<8} "
+            f"{'v' + str(e['version']) if e['version'] else '-':<5} {e['reason']}"
+        )
+    lines.append("")
+    lines.append("summary: " + json.dumps(result["summary"]))
+    lines.append(f"wall time {result['wall_s']} s")
+    return "\n".join(lines)
+
+
+def main_from_args(args: argparse.Namespace) -> int:
+    """`eldr bench --scenario drift|churn` (the steady bench's arguments apply)."""
+    traces = _load_input(args)
+    config = OnlineConfig(
+        decoders=args.decoders,
+        tau=args.tau,
+        arrivals=args.arrivals or 6000,
+        max_batch=args.max_batch,
+        calibration_fraction=args.calibration_fraction,
+        profile=args.profile,
+        seed=args.seed,
+        batch_target=(args.batch_targets[-1] if args.batch_targets else 32.0),
+    )
+    result = run_drift(traces, config) if args.scenario == "drift" else run_churn(traces, config)
+    print(format_report(result))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0

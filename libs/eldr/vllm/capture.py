@@ -1,0 +1,424 @@
+"""Fold the experts routed for each prompt token into block summaries and prefill events.
+
+The engine-side hook (`eldr.vllm.plugin`) sees, per engine step, the top-k expert ids of
+every token the step computed, for all requests of the step flattened, plus which request
+and position each row belongs to. `CaptureState` keeps, per request in prefill, the rows of
+its prompt tokens and turns them into:
+
+- `BlockSummaryMsg`s for full KV blocks as soon as every token of the block was computed
+  (so a request that hits those blocks in the prefix cache a step later finds them), keyed
+  by the project's own chained block hash (`eldr.core.blocks.hash_chain`, from token ids:
+  the same key the signature service and every other prefill worker use);
+- one `PrefillDone` when the last prompt token was computed: the block-hash chain, the
+  number of leading blocks that were prefix-cache hits (`cached_prefix_blocks`: not
+  computed here, so the signature service supplies them), the counts of everything that
+  was computed (`computed`, the trailing partial block included), timing.
+
+Prefix-cache hits end on a block boundary of the engine's KV blocks. When that boundary is
+not one of ours (an engine block size that is not a multiple of ours, or a connector that
+loaded a ragged prefix), the block the boundary falls in is treated as cached too, and the
+rows computed for its tail are left out of `computed`: the cached summary of that block
+already counts them. So the router's sum `signature(cached blocks) + computed` counts every
+prompt token exactly once, whatever was cached.
+
+The engine's thread only counts (one `bincount` per request and step); building the wire
+messages (sparse encoding, structs) is deferred to whoever reads `StepResult.batches` /
+`StepResult.done` first: the publisher's thread.
+
+Pure: numpy, `eldr.core` and `eldr.wire` only; times come in as arguments.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from eldr.core.blocks import COUNT_DTYPE, hash_chain
+from eldr.core.trace import expert_counts
+from eldr.wire import BlockSummaryBatch, BlockSummaryMsg, PrefillDone, SparseCounts
+from eldr.wire.base import MAX_ATTRS, MAX_BLOCKS_PER_BATCH, MAX_ID_LEN
+
+EXPERT_ROW_DTYPE = np.int16
+UNSET = -1
+"""Expert id of a row not computed (yet)."""
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What the hook learned from the model: MoE layers, experts per layer, top-k."""
+
+    num_moe_layers: int
+    num_experts: int
+    top_k: int
+
+    def __post_init__(self) -> None:
+        if min(self.num_moe_layers, self.num_experts, self.top_k) < 1:
+            raise ValueError(f"geometry must be positive, got {self}")
+        if self.num_experts > np.iinfo(EXPERT_ROW_DTYPE).max:
+            raise ValueError(f"{self.num_experts} experts do not fit int16 expert ids")
+
+
+@dataclass(frozen=True)
+class CaptureConfig:
+    worker_id: str
+    """The prefill worker's subject token."""
+    model: str
+    """Model name the block cache is keyed by (identical on every prefill worker)."""
+    block_size: int
+    geometry: Geometry
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+
+
+@dataclass
+class RequestCapture:
+    """One request in prefill: its prompt, what was cached, the rows computed so far."""
+
+    engine_id: str
+    """The engine's request id (the key of the step layout)."""
+    request_id: str
+    """The client's request id (what the decision is recorded under)."""
+    token_ids: np.ndarray
+    block_hashes: list[int]
+    cached_blocks: int
+    """Leading full blocks not computed here (prefix-cache or connector hits)."""
+    start_s: float
+    """Monotonic time the request was first scheduled."""
+    reply_to: str | None = None
+    max_tokens: int | None = None
+    attrs: dict[str, str] = field(default_factory=dict)
+    rows: np.ndarray = field(init=False, repr=False)
+    """int16 [n_prompt - first_row, L, k]: expert ids of the tokens from `first_row` on."""
+    filled: np.ndarray = field(init=False, repr=False)
+    next_block: int = field(init=False)
+    """Next full block whose summary is still to be emitted."""
+    computed_total: np.ndarray = field(init=False, repr=False)
+    """uint32 [L, E]: counts of the full blocks emitted so far."""
+    block_size: int = 0
+    geometry: Geometry | None = None
+
+    def __post_init__(self) -> None:
+        assert self.geometry is not None
+        assert self.block_size > 0
+        g = self.geometry
+        n = self.n_prompt - self.first_row
+        self.rows = np.full((n, g.num_moe_layers, g.top_k), UNSET, dtype=EXPERT_ROW_DTYPE)
+        self.filled = np.zeros(n, dtype=bool)
+        self.next_block = self.cached_blocks
+        self.computed_total = np.zeros((g.num_moe_layers, g.num_experts), dtype=np.uint32)
+
+    @property
+    def n_prompt(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def first_row(self) -> int:
+        """First prompt position whose routing this request contributes itself."""
+        return self.cached_blocks * self.block_size
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.filled.all())
+
+    def add(self, positions: np.ndarray, rows: np.ndarray) -> None:
+        """Store rows (int [n, L, k]) computed for prompt `positions` (int [n]); rows of
+        positions before `first_row` (inside a cached block) or past the prompt are
+        ignored."""
+        keep = (positions >= self.first_row) & (positions < self.n_prompt)
+        if not keep.any():
+            return
+        index = positions[keep] - self.first_row
+        self.rows[index] = rows[keep]
+        self.filled[index] = True
+
+    def ready_blocks(self) -> list[PendingBlock]:
+        """Counts of the full blocks completed since the last call, in order (one
+        bincount for all of them)."""
+        assert self.geometry is not None
+        bs, first = self.block_size, self.first_row
+        end = self.next_block
+        while end < len(self.block_hashes):
+            lo = end * bs - first
+            if not self.filled[lo : lo + bs].all():
+                break
+            end += 1
+        if end == self.next_block:
+            return []
+        g = self.geometry
+        n_blocks = end - self.next_block
+        rows = self.rows[self.next_block * bs - first : end * bs - first]
+        slot = (np.arange(n_blocks * bs) // bs)[:, None, None] * g.num_moe_layers + np.arange(
+            g.num_moe_layers
+        )[None, :, None]
+        flat = slot * g.num_experts + rows.astype(np.int64)
+        counts = np.bincount(flat.ravel(), minlength=n_blocks * g.num_moe_layers * g.num_experts)
+        per_block = counts.reshape(n_blocks, g.num_moe_layers, g.num_experts)
+        self.computed_total += per_block.sum(axis=0, dtype=np.uint32)
+        out = [
+            PendingBlock(
+                self.block_hashes[b],
+                self.block_hashes[b - 1] if b > 0 else None,
+                bs,
+                per_block[b - self.next_block].astype(COUNT_DTYPE),
+            )
+            for b in range(self.next_block, end)
+        ]
+        self.next_block = end
+        return out
+
+    def tail_counts(self) -> tuple[np.ndarray, bool]:
+        """(uint32 [L, E] counts of the computed rows after the full blocks, whether those
+        rows are the whole trailing partial block)."""
+        assert self.geometry is not None
+        tail = self.rows[len(self.block_hashes) * self.block_size - self.first_row :]
+        real = tail[tail[:, 0, 0] != UNSET]
+        counts = expert_counts(real, self.geometry.num_experts).astype(np.uint32)
+        return counts, real.shape[0] == tail.shape[0]
+
+
+@dataclass(frozen=True)
+class PendingBlock:
+    """A full block's summary, not yet in wire form."""
+
+    block_hash: int
+    parent_hash: int | None
+    n_tokens: int
+    counts: np.ndarray
+    """uint16 [L, E]."""
+
+    def message(self) -> BlockSummaryMsg:
+        return BlockSummaryMsg(
+            block_hash=self.block_hash,
+            parent_hash=self.parent_hash,
+            n_tokens=self.n_tokens,
+            counts=SparseCounts.from_dense(self.counts),
+        )
+
+
+@dataclass(frozen=True)
+class PendingDone:
+    """A PrefillDone, not yet in wire form (see `CaptureState._prefill_done`)."""
+
+    fields: dict[str, object]
+    computed: np.ndarray
+    partial: np.ndarray | None
+
+    def message(self) -> PrefillDone:
+        return PrefillDone(
+            **self.fields,  # type: ignore[arg-type]
+            computed=SparseCounts.from_dense(self.computed),
+            partial=None if self.partial is None else SparseCounts.from_dense(self.partial),
+        )
+
+
+class StepResult:
+    """What one engine step produced: block batches first, then prefill-done events.
+
+    Holds dense counts; the wire messages are built on first access of `batches` or
+    `done` (by the publisher's thread, off the engine's)."""
+
+    def __init__(
+        self,
+        config: CaptureConfig,
+        first_seq: int,
+        wall_s: float,
+        blocks: list[PendingBlock],
+        done: list[PendingDone],
+        completed: list[RequestCapture],
+    ) -> None:
+        self._config = config
+        self._first_seq = first_seq
+        self._wall_s = wall_s
+        self._blocks = blocks
+        self._done = done
+        self.completed = completed
+        """The requests whose prefill completed this step (their rows, for debugging)."""
+        self._batches: list[BlockSummaryBatch] | None = None
+        self._done_messages: list[PrefillDone] | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self._blocks or self._done)
+
+    @staticmethod
+    def batch_count(n_blocks: int) -> int:
+        return -(-n_blocks // MAX_BLOCKS_PER_BATCH)
+
+    @property
+    def batches(self) -> list[BlockSummaryBatch]:
+        if self._batches is None:
+            c, g = self._config, self._config.geometry
+            messages = [b.message() for b in self._blocks]
+            self._batches = [
+                BlockSummaryBatch(
+                    worker_id=c.worker_id,
+                    seq=self._first_seq + n,
+                    ts_s=self._wall_s,
+                    model=c.model,
+                    num_moe_layers=g.num_moe_layers,
+                    num_experts=g.num_experts,
+                    block_size=c.block_size,
+                    blocks=messages[lo : lo + MAX_BLOCKS_PER_BATCH],
+                )
+                for n, lo in enumerate(range(0, len(messages), MAX_BLOCKS_PER_BATCH))
+            ]
+        return self._batches
+
+    @property
+    def done(self) -> list[PrefillDone]:
+        if self._done_messages is None:
+            self._done_messages = [d.message() for d in self._done]
+        return self._done_messages
+
+
+def _cached_blocks(num_computed_tokens: int, n_prompt: int, block_size: int) -> int:
+    n_full = n_prompt // block_size
+    return min(math.ceil(max(num_computed_tokens, 0) / block_size), n_full)
+
+
+class CaptureState:
+    """Per-engine capture state: requests in prefill and the per-publisher batch sequence.
+
+    Not thread-safe: the engine's worker thread calls it (one step at a time).
+    """
+
+    def __init__(self, config: CaptureConfig) -> None:
+        self.config = config
+        self.requests: dict[str, RequestCapture] = {}
+        self.batch_seq = 0
+        self.inexact = 0
+        """Requests whose computed counts could not be made exact (see `add_request`)."""
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def add_request(
+        self,
+        engine_id: str,
+        token_ids: Sequence[int] | np.ndarray,
+        num_computed_tokens: int,
+        now_s: float,
+        *,
+        request_id: str | None = None,
+        reply_to: str | None = None,
+        max_tokens: int | None = None,
+        attrs: dict[str, str] | None = None,
+    ) -> RequestCapture | None:
+        """Start tracking a request the engine scheduled for the first time.
+
+        num_computed_tokens: prompt tokens the engine did not compute (prefix-cache and
+        connector hits). Returns None when the whole prompt was cached: there is nothing
+        of this prefill to observe (a decode-side request).
+        """
+        tokens = np.asarray(token_ids, dtype=np.uint32)
+        n_prompt = int(tokens.shape[0])
+        if n_prompt == 0 or num_computed_tokens >= n_prompt:
+            return None
+        bs = self.config.block_size
+        hashes = hash_chain(tokens, bs)
+        cached = _cached_blocks(num_computed_tokens, n_prompt, bs)
+        capture_attrs = dict(attrs or {})
+        if num_computed_tokens > cached * bs:
+            # Tokens of the trailing partial block came from a cache: their routing is
+            # nowhere to be had, so `computed` misses them. Say so in the event.
+            self.inexact += 1
+            capture_attrs["eldr_capture"] = "inexact"
+        capture = RequestCapture(
+            engine_id=engine_id,
+            request_id=(request_id or engine_id)[:MAX_ID_LEN],
+            token_ids=tokens,
+            block_hashes=hashes,
+            cached_blocks=cached,
+            start_s=now_s,
+            reply_to=reply_to,
+            max_tokens=max_tokens,
+            attrs=dict(list(capture_attrs.items())[:MAX_ATTRS]),
+            block_size=bs,
+            geometry=self.config.geometry,
+        )
+        if num_computed_tokens > cached * bs:
+            # Mark the cached tail as filled (with no rows) so the request completes.
+            capture.filled[: num_computed_tokens - capture.first_row] = True
+        self.requests[engine_id] = capture
+        return capture
+
+    def drop(self, engine_id: str) -> None:
+        """Forget a request (finished or aborted before its prefill completed)."""
+        self.requests.pop(engine_id, None)
+
+    def on_step(
+        self,
+        engine_ids: Sequence[str],
+        num_tokens: Sequence[int],
+        positions: np.ndarray,
+        expert_ids: np.ndarray,
+        now_s: float,
+        wall_s: float,
+    ) -> StepResult:
+        """Fold one step's rows into the requests in prefill.
+
+        engine_ids / num_tokens: the step's requests in row order and how many rows each
+        has; positions: int [rows] position of each row in its request; expert_ids: int
+        [rows, L, k] (rows past sum(num_tokens), e.g. padding, are ignored). `now_s` is
+        monotonic (durations), `wall_s` Unix time (event timestamps).
+        """
+        g = self.config.geometry
+        total = int(sum(num_tokens))
+        if expert_ids.ndim != 3 or expert_ids.shape[1:] != (g.num_moe_layers, g.top_k):
+            raise ValueError(
+                f"expert ids shaped {expert_ids.shape}, expected [rows, "
+                f"{g.num_moe_layers}, {g.top_k}]"
+            )
+        if expert_ids.shape[0] < total or positions.shape[0] < total:
+            raise ValueError(
+                f"{total} scheduled tokens but {expert_ids.shape[0]} expert rows and "
+                f"{positions.shape[0]} positions"
+            )
+        blocks: list[PendingBlock] = []
+        seen: set[int] = set()
+        done: list[PendingDone] = []
+        completed: list[RequestCapture] = []
+        offset = 0
+        for engine_id, n in zip(engine_ids, num_tokens, strict=True):
+            lo, offset = offset, offset + int(n)
+            capture = self.requests.get(engine_id)
+            if capture is None or n == 0:
+                continue
+            capture.add(positions[lo:offset], expert_ids[lo:offset])
+            for block in capture.ready_blocks():
+                if block.block_hash not in seen:  # two requests computed the same block
+                    seen.add(block.block_hash)
+                    blocks.append(block)
+            if capture.complete:
+                done.append(self._prefill_done(capture, now_s, wall_s))
+                completed.append(capture)
+                del self.requests[engine_id]
+        first_seq = self.batch_seq
+        self.batch_seq += StepResult.batch_count(len(blocks))
+        return StepResult(self.config, first_seq, wall_s, blocks, done, completed)
+
+    def _prefill_done(self, capture: RequestCapture, now_s: float, wall_s: float) -> PendingDone:
+        c, g = self.config, self.config.geometry
+        tail, whole_tail = capture.tail_counts()
+        partial = tail if capture.n_prompt % c.block_size and whole_tail else None
+        fields: dict[str, object] = {
+            "request_id": capture.request_id,
+            "model": c.model,
+            "prefill_worker": c.worker_id,
+            "ts_s": wall_s,
+            "block_size": c.block_size,
+            "block_hashes": capture.block_hashes,
+            "n_prompt_tokens": capture.n_prompt,
+            "num_moe_layers": g.num_moe_layers,
+            "num_experts": g.num_experts,
+            "reply_to": capture.reply_to,
+            "prefill_s": max(0.0, now_s - capture.start_s),
+            "max_tokens": capture.max_tokens,
+            "attrs": capture.attrs,
+            "cached_prefix_blocks": capture.cached_blocks,
+        }
+        return PendingDone(fields, capture.computed_total + tail, partial)

@@ -1,0 +1,213 @@
+"""The disaggregated prefill -> decode handoff, as pure functions (used by the gateway).
+
+vLLM's disaggregated flow: the prompt goes to a prefill instance with `max_tokens = 1`
+and `kv_transfer_params = {"do_remote_decode": true, ...}`; the prefill's response carries
+`kv_transfer_params` naming where its KV cache waits; the request then goes, unchanged
+apart from those parameters, to a decode instance, which pulls the KV and generates.
+
+Between the two, ELDR decides the decode instance. The request id the gateway chose (the
+client's `X-Request-Id`, or a fresh one) travels with every hop: as the `X-Request-Id`
+header (vLLM builds its own request ids from it) and in `vllm_xargs` (`eldr_request_id`,
+read by the capture plugin in the prefill engine, which publishes the `PrefillDone` under
+that id, with `eldr_reply_to` = the gateway's decision inbox).
+
+No I/O here: bodies in, bodies out.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from eldr.wire import Decision
+
+XARG_REQUEST_ID = "eldr_request_id"
+XARG_REPLY_TO = "eldr_reply_to"
+XARG_MAX_TOKENS = "eldr_max_tokens"
+REQUEST_ID_HEADER = "X-Request-Id"
+MAX_REQUEST_ID_LEN = 200
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,200}$")
+
+PREFILL_KV_PARAMS: Mapping[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+"""What a prefill request carries: produce KV for a remote decode (vLLM's PD protocol)."""
+
+
+class BadRequestError(ValueError):
+    """The client's request cannot be served; the message goes back in the error body."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def openai_error(
+    message: str, status: int, *, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """An OpenAI-style error body."""
+    kind = {
+        400: "invalid_request_error",
+        404: "not_found_error",
+        408: "timeout_error",
+        429: "rate_limit_error",
+    }.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def request_id_from(header: str | None) -> str:
+    """The client's request id when it is usable, else a fresh one."""
+    if header is not None:
+        if not _REQUEST_ID.match(header):
+            raise BadRequestError(
+                f"{REQUEST_ID_HEADER} must be 1-{MAX_REQUEST_ID_LEN} characters of "
+                "[A-Za-z0-9._:@/+=-]",
+                param=REQUEST_ID_HEADER,
+            )
+        return header
+    return f"eldr-{uuid.uuid4().hex}"
+
+
+def check_body(body: Any, *, chat: bool) -> dict[str, Any]:
+    """Validate what the gateway itself relies on (vLLM validates the rest)."""
+    if not isinstance(body, dict):
+        raise BadRequestError("the request body must be a JSON object")
+    if chat:
+        if not isinstance(body.get("messages"), list) or not body["messages"]:
+            raise BadRequestError("'messages' must be a non-empty list", param="messages")
+    elif "prompt" not in body:
+        raise BadRequestError("'prompt' is required", param="prompt")
+    n = body.get("n", 1)
+    if n != 1:
+        raise BadRequestError("only n = 1 is supported by disaggregated serving", param="n")
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise BadRequestError("'stream' must be a boolean", param="stream")
+    xargs = body.get("vllm_xargs")
+    if xargs is not None and not isinstance(xargs, dict):
+        raise BadRequestError("'vllm_xargs' must be an object", param="vllm_xargs")
+    if "kv_transfer_params" in body:
+        raise BadRequestError(
+            "'kv_transfer_params' is set by the gateway", param="kv_transfer_params"
+        )
+    return body
+
+
+def max_tokens_of(body: Mapping[str, Any]) -> int | None:
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+    return None
+
+
+def prefill_body(body: Mapping[str, Any], request_id: str, reply_to: str) -> dict[str, Any]:
+    """The request for the prefill instance: one token, no streaming, KV kept for a remote
+    decode, and the ids the capture plugin publishes the PrefillDone under."""
+    out = copy.deepcopy(dict(body))
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    out.pop("stream_options", None)
+    out["kv_transfer_params"] = dict(PREFILL_KV_PARAMS)
+    xargs = dict(out.get("vllm_xargs") or {})
+    xargs[XARG_REQUEST_ID] = request_id
+    xargs[XARG_REPLY_TO] = reply_to
+    budget = max_tokens_of(body)
+    if budget is not None:
+        xargs[XARG_MAX_TOKENS] = budget
+    out["vllm_xargs"] = xargs
+    return out
+
+
+def decode_body(body: Mapping[str, Any], kv_transfer_params: Mapping[str, Any] | None) -> dict:
+    """The request for the decode instance: the client's, plus the prefill's KV handle."""
+    out = copy.deepcopy(dict(body))
+    if kv_transfer_params is not None:
+        out["kv_transfer_params"] = dict(kv_transfer_params)
+    return out
+
+
+def decode_candidates(decision: Decision | None, decoders: Sequence[str]) -> list[str]:
+    """Decode workers to try, in order: the decision's worker, then its locality band,
+    then the rest by score, then every other configured decoder (a decision names only
+    workers the router knew; any configured one can take the KV)."""
+    known = set(decoders)
+    order: list[str] = []
+    if decision is not None:
+        ranked: tuple[Iterable[str], ...] = (
+            [decision.worker_id],
+            decision.band,
+            (w for w, _ in decision.scores),
+            (w for w, _ in decision.loads),
+        )
+        for group in ranked:
+            for worker in group:
+                if worker in known and worker not in order:
+                    order.append(worker)
+    order.extend(w for w in decoders if w not in order)
+    return order
+
+
+@dataclass
+class LeastOutstanding:
+    """Pick the instance with the fewest requests in flight; ties go round-robin."""
+
+    names: Sequence[str]
+    outstanding: dict[str, int] = field(default_factory=dict)
+    _next: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.names:
+            raise ValueError("no instances to pick from")
+        for name in self.names:
+            self.outstanding.setdefault(name, 0)
+
+    def pick(self, exclude: Iterable[str] = ()) -> str | None:
+        skip = set(exclude)
+        n = len(self.names)
+        best: str | None = None
+        for i in range(n):
+            name = self.names[(self._next + i) % n]
+            if name in skip:
+                continue
+            if best is None or self.outstanding[name] < self.outstanding[best]:
+                best = name
+        if best is not None:
+            self._next = (self.names.index(best) + 1) % n
+        return best
+
+    def acquire(self, name: str) -> None:
+        self.outstanding[name] += 1
+
+    def release(self, name: str) -> None:
+        self.outstanding[name] = max(0, self.outstanding[name] - 1)
+
+
+def parse_instances(spec: str, what: str) -> dict[str, str]:
+    """`"id=url,id=url"` -> {id: url}; ids are subject tokens, urls http(s)://host:port."""
+    out: dict[str, str] = {}
+    for item in (part.strip() for part in spec.split(",")):
+        if not item:
+            continue
+        name, sep, url = item.partition("=")
+        name, url = name.strip(), url.strip().rstrip("/")
+        if not sep or not re.match(r"^[A-Za-z0-9_-]{1,128}$", name):
+            raise ValueError(f"{what}: expected id=url, got {item!r}")
+        if not re.match(r"^https?://[^/\s]+$", url):
+            raise ValueError(f"{what}: {url!r} is not http(s)://host:port")
+        if name in out:
+            raise ValueError(f"{what}: {name!r} given twice")
+        out[name] = url
+    if not out:
+        raise ValueError(f"{what}: no instance given")
+    return out

@@ -1,0 +1,1 @@
+"""ELDR gateway: the OpenAI-compatible front door of a disaggregated vLLM deployment."""

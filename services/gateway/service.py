@@ -1,0 +1,541 @@
+"""Gateway: OpenAI-compatible front door doing vLLM's disaggregated prefill -> decode flow.
+
+For each `/v1/completions` or `/v1/chat/completions` request:
+
+1. Take the client's `X-Request-Id` (or make one): it travels with every hop and is the
+   id the decision is recorded under.
+2. Send the prompt to the prefill instance with the fewest requests in flight, with
+   `max_tokens = 1`, `kv_transfer_params.do_remote_decode`, and `vllm_xargs` naming the
+   request id and this gateway's decision inbox. The capture plugin in that engine
+   publishes the block summaries and the `PrefillDone` (with `reply_to` = the inbox); the
+   routing service answers there with the `Decision`. (With
+   `ELDR_GATEWAY_SIGNATURE_SOURCE=routed_experts` the gateway publishes them itself from
+   the prefill's response, see `eldr.vllm.sources`.)
+3. Wait for the decision (`gateway_decision_timeout_s`); when it does not come, read it
+   from the DECISIONS stream (the reply may have been lost), and only then fall back to
+   the decode instance with the fewest requests in flight (counted, logged).
+4. Send the client's request, with the prefill's `kv_transfer_params`, to the decided
+   decode instance and stream its answer back. A decode instance that fails before the
+   first byte reached the client (connection refused, 5xx) is replaced by the next
+   candidate: the decision's band, then its scores, then any other configured decoder.
+
+Client errors get OpenAI-style error bodies (`{"error": {...}}`) with the upstream's
+status, or 400 / 502 / 503 / 504 from the gateway itself. `/healthz` answers while the
+process runs; `/readyz` once the bus is connected and at least one prefill and one decode
+instance answer their `/health`; `/metrics` is Prometheus.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from eldr.bus import BusError, Delivery, build_topology
+from eldr.bus.topology import DECISIONS
+from eldr.runtime import ServiceContext, service_main
+from eldr.vllm.capture import CaptureConfig, Geometry
+from eldr.vllm.pd import (
+    REQUEST_ID_HEADER,
+    BadRequestError,
+    LeastOutstanding,
+    check_body,
+    decode_body,
+    decode_candidates,
+    max_tokens_of,
+    openai_error,
+    prefill_body,
+    request_id_from,
+)
+from eldr.vllm.sources import RETURN_FIELDS, ResponseSource, SourceError
+from eldr.wire import Decision
+
+from .settings import GatewaySettings
+
+log = logging.getLogger(__name__)
+
+NAME = "gateway"
+DECODE_WORKER_HEADER = "X-Eldr-Decode-Worker"
+LATENCY_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding"}
+
+
+class UpstreamError(Exception):
+    """An upstream instance could not be reached or failed (5xx) before answering."""
+
+
+class GatewayMetrics:
+    def __init__(self, ctx: ServiceContext[GatewaySettings]) -> None:
+        r = ctx.registry
+        self.requests = Counter(
+            "eldr_gateway_requests_total",
+            "Client requests by endpoint and outcome (ok, client_error, upstream_error, "
+            "unavailable).",
+            ["endpoint", "outcome"],
+            registry=r,
+        )
+        self.decision_wait = Histogram(
+            "eldr_gateway_decision_wait_seconds",
+            "From the prefill's answer to the routing decision.",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.prefill_seconds = Histogram(
+            "eldr_gateway_prefill_seconds",
+            "Prefill request round trip.",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.decisions = Counter(
+            "eldr_gateway_decisions_total",
+            "How the decode instance was chosen (inbox, stream, fallback).",
+            ["source"],
+            registry=r,
+        )
+        self.decode_retries = Counter(
+            "eldr_gateway_decode_retries_total",
+            "Decode attempts moved to the next candidate after a failure before streaming.",
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "eldr_gateway_requests_in_flight", "Client requests being served.", registry=r
+        )
+        self.upstream_healthy = Gauge(
+            "eldr_gateway_upstream_healthy",
+            "1 when the instance answered its last /health probe.",
+            ["role", "instance"],
+            registry=r,
+        )
+
+
+class Gateway:
+    def __init__(self, ctx: ServiceContext[GatewaySettings], session: aiohttp.ClientSession):
+        self.ctx = ctx
+        self.settings = s = ctx.settings
+        self.session = session
+        self.metrics = GatewayMetrics(ctx)
+        self.prefills = s.prefill_instances()
+        self.decoders = s.decode_instances()
+        self.prefill_picker = LeastOutstanding(list(self.prefills))
+        self.decode_picker = LeastOutstanding(list(self.decoders))
+        self.healthy: dict[tuple[str, str], bool] = {}
+        self.inbox = f"_INBOX.eldr-gateway.{uuid.uuid4().hex}"
+        self.waiters: dict[str, asyncio.Future[Decision]] = {}
+        self.decisions_stream = build_topology(s.namespace, s).stream_name(DECISIONS)
+        self.accepting = True
+        self.in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.response_sources: dict[str, ResponseSource] = {}
+        """Per prefill instance, when the gateway publishes the prefill's routing itself."""
+
+    # --- decisions ------------------------------------------------------------------------
+
+    async def on_decision(self, decision: Decision, _: Delivery) -> None:
+        waiter = self.waiters.get(decision.request_id)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(decision)
+
+    async def await_decision(self, request_id: str, waiter: asyncio.Future[Decision]) -> Decision:
+        """The decision for `request_id`: from the inbox, else from the stream; raises
+        LookupError when there is none."""
+        with contextlib.suppress(TimeoutError):
+            decision = await asyncio.wait_for(
+                asyncio.shield(waiter), timeout=self.settings.gateway_decision_timeout_s
+            )
+            self.metrics.decisions.labels("inbox").inc()
+            return decision
+        try:
+            late = await self.ctx.bus.get_last(
+                self.decisions_stream, self.ctx.bus.subjects.decision(request_id), Decision
+            )
+        except BusError as exc:
+            log.warning("decision of %s: stream read failed: %s", request_id, exc)
+            late = None
+        if late is None:
+            raise LookupError(f"no decision for {request_id}")
+        self.metrics.decisions.labels("stream").inc()
+        return late
+
+    # --- upstream calls -------------------------------------------------------------------
+
+    def _timeout(self) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(
+            total=self.settings.gateway_upstream_timeout_s,
+            sock_connect=self.settings.gateway_connect_timeout_s,
+        )
+
+    async def prefill(
+        self, path: str, body: dict[str, Any], request_id: str
+    ) -> tuple[str, dict[str, Any]]:
+        """Run the prefill on one instance (another one if the first cannot be reached).
+        Returns (instance id, response JSON); raises web.HTTPException-like errors via
+        `UpstreamError` or returns the upstream's client error as a `ClientAnswer`."""
+        tried: list[str] = []
+        while True:
+            name = self.prefill_picker.pick(exclude=tried)
+            if name is None:
+                raise UpstreamError(f"no prefill instance reachable (tried {', '.join(tried)})")
+            tried.append(name)
+            self.prefill_picker.acquire(name)
+            started = time.perf_counter()
+            try:
+                async with self.session.post(
+                    self.prefills[name] + path,
+                    json=body,
+                    headers={REQUEST_ID_HEADER: request_id},
+                    timeout=self._timeout(),
+                ) as resp:
+                    payload = await resp.read()
+                    if resp.status >= 500:
+                        log.warning(
+                            "prefill %s failed for %s: HTTP %d", name, request_id, resp.status
+                        )
+                        continue
+                    if resp.status != 200:
+                        raise ClientAnswer(resp.status, payload, resp.content_type)
+                    self.metrics.prefill_seconds.observe(time.perf_counter() - started)
+                    return name, json.loads(payload)
+            except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+                log.warning("prefill %s unreachable for %s: %s", name, request_id, exc)
+            finally:
+                self.prefill_picker.release(name)
+
+    async def decode(
+        self,
+        request: web.Request,
+        path: str,
+        body: dict[str, Any],
+        request_id: str,
+        candidates: list[str],
+    ) -> web.StreamResponse:
+        """Send the request to the first candidate that answers; stream its answer."""
+        attempts = candidates[: self.settings.gateway_max_decode_attempts]
+        last_error = "no decode instance"
+        for n, name in enumerate(attempts):
+            if n:
+                self.metrics.decode_retries.inc()
+            self.decode_picker.acquire(name)
+            try:
+                return await self._decode_once(request, path, body, request_id, name)
+            except UpstreamError as exc:
+                last_error = str(exc)
+                log.warning("decode %s failed for %s before streaming: %s", name, request_id, exc)
+            finally:
+                self.decode_picker.release(name)
+        raise UpstreamError(last_error)
+
+    async def _decode_once(
+        self, request: web.Request, path: str, body: dict[str, Any], request_id: str, name: str
+    ) -> web.StreamResponse:
+        try:
+            resp = await self.session.post(
+                self.decoders[name] + path,
+                json=body,
+                headers={REQUEST_ID_HEADER: request_id},
+                timeout=self._timeout(),
+            )
+        except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+            raise UpstreamError(f"{name}: {exc}") from exc
+        async with resp:
+            if resp.status >= 500:
+                text = (await resp.read())[:500].decode("utf-8", "replace")
+                raise UpstreamError(f"{name}: HTTP {resp.status}: {text}")
+            headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS}
+            headers[REQUEST_ID_HEADER] = request_id
+            headers[DECODE_WORKER_HEADER] = name
+            if not body.get("stream") or resp.status != 200:
+                payload = await resp.read()
+                return web.Response(body=payload, status=resp.status, headers=headers)
+            out = web.StreamResponse(status=resp.status, headers=headers)
+            first = True
+            try:
+                async for chunk in resp.content.iter_any():
+                    if first:
+                        await out.prepare(request)
+                        first = False
+                    await out.write(chunk)
+            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+                if first:
+                    raise UpstreamError(f"{name}: {exc}") from exc
+                log.warning("decode %s broke off %s mid-stream: %s", name, request_id, exc)
+            if first:
+                await out.prepare(request)
+            await out.write_eof()
+            return out
+
+    # --- handlers -------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "/v1/completions", chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "/v1/chat/completions", chat=True)
+
+    async def _serve(self, request: web.Request, path: str, *, chat: bool) -> web.StreamResponse:
+        endpoint = "chat" if chat else "completions"
+        if not self.accepting:
+            self.metrics.requests.labels(endpoint, "unavailable").inc()
+            return _error(503, "the gateway is shutting down")
+        self.in_flight += 1
+        self.metrics.in_flight.set(self.in_flight)
+        self._idle.clear()
+        try:
+            response = await self._serve_one(request, path, chat=chat)
+            status = response.status
+            outcome = "ok" if status < 400 else "client_error" if status < 500 else "upstream_error"
+            self.metrics.requests.labels(endpoint, outcome).inc()
+            return response
+        finally:
+            self.in_flight -= 1
+            self.metrics.in_flight.set(self.in_flight)
+            if self.in_flight == 0:
+                self._idle.set()
+
+    async def _serve_one(
+        self, request: web.Request, path: str, *, chat: bool
+    ) -> web.StreamResponse:
+        try:
+            request_id = request_id_from(request.headers.get(REQUEST_ID_HEADER))
+            try:
+                raw = await request.json()
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise BadRequestError(f"the request body is not JSON: {exc}") from exc
+            body = check_body(raw, chat=chat)
+        except BadRequestError as exc:
+            return _error(400, str(exc), param=exc.param)
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[Decision] = loop.create_future()
+        self.waiters[request_id] = waiter
+        try:
+            pre = prefill_body(body, request_id, self.inbox)
+            if self.response_sources:
+                pre.update(RETURN_FIELDS)
+            try:
+                prefill_name, prefill_response = await self.prefill(path, pre, request_id)
+            except ClientAnswer as answer:
+                return answer.response(request_id)
+            except UpstreamError as exc:
+                return _error(502, f"prefill failed: {exc}", request_id=request_id)
+            answered = time.perf_counter()
+            if self.response_sources:
+                await self._publish_from_response(prefill_response, prefill_name, request_id, body)
+            try:
+                decision: Decision | None = await self.await_decision(request_id, waiter)
+            except LookupError:
+                decision = None
+                self.metrics.decisions.labels("fallback").inc()
+                log.warning(
+                    "no decision for %s within %.1f s; least-loaded decoder instead",
+                    request_id,
+                    self.settings.gateway_decision_timeout_s,
+                )
+            self.metrics.decision_wait.observe(time.perf_counter() - answered)
+        finally:
+            self.waiters.pop(request_id, None)
+        candidates = decode_candidates(decision, list(self.decoders))
+        if decision is None:
+            best = self.decode_picker.pick()
+            if best is not None:
+                candidates.remove(best)
+                candidates.insert(0, best)
+        try:
+            return await self.decode(
+                request,
+                path,
+                decode_body(body, prefill_response.get("kv_transfer_params")),
+                request_id,
+                candidates,
+            )
+        except UpstreamError as exc:
+            return _error(502, f"decode failed: {exc}", request_id=request_id)
+
+    async def _publish_from_response(
+        self, response: dict[str, Any], prefill_name: str, request_id: str, body: dict[str, Any]
+    ) -> None:
+        """The routed_experts source: publish blocks and PrefillDone ourselves."""
+        try:
+            result = self.response_sources[prefill_name].from_response(
+                response,
+                request_id,
+                time.monotonic(),
+                time.time(),
+                reply_to=self.inbox,
+                max_tokens=max_tokens_of(body),
+            )
+        except SourceError as exc:
+            log.warning("no signature for %s from %s: %s", request_id, prefill_name, exc)
+            return
+        bus = self.ctx.bus
+        try:
+            for batch in result.batches:
+                await bus.js_publish(bus.subjects.blocks(prefill_name), batch)
+            for done in result.done:
+                await bus.js_publish(
+                    bus.subjects.prefill_done(prefill_name), done, msg_id=done.request_id
+                )
+        except BusError as exc:
+            log.warning("could not publish the prefill of %s: %s", request_id, exc)
+
+    async def models(self, _: web.Request) -> web.Response:
+        for name, url in itertools.chain(self.prefills.items(), self.decoders.items()):
+            try:
+                async with self.session.get(url + "/v1/models", timeout=self._timeout()) as resp:
+                    if resp.status == 200:
+                        return web.Response(body=await resp.read(), content_type="application/json")
+            except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+                log.debug("models from %s: %s", name, exc)
+        return _error(503, "no upstream instance answered /v1/models")
+
+    async def healthz(self, _: web.Request) -> web.Response:
+        return web.json_response({"service": NAME, "instance": self.settings.instance_id})
+
+    async def readyz(self, _: web.Request) -> web.Response:
+        ok, detail = self.ctx.readiness()
+        return web.json_response({"ready": ok, **detail}, status=200 if ok else 503)
+
+    async def metrics_endpoint(self, _: web.Request) -> web.Response:
+        body = generate_latest(self.ctx.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    # --- upstream health ------------------------------------------------------------------
+
+    async def probe_loop(self) -> None:
+        while True:
+            await self.probe_once()
+            await asyncio.sleep(self.settings.gateway_health_interval_s)
+
+    async def probe_once(self) -> None:
+        async def probe(role: str, name: str, url: str) -> None:
+            try:
+                async with self.session.get(
+                    url + "/health", timeout=aiohttp.ClientTimeout(total=2.0)
+                ) as resp:
+                    ok = resp.status == 200
+            except (aiohttp.ClientError, TimeoutError):
+                ok = False
+            self.healthy[(role, name)] = ok
+            self.metrics.upstream_healthy.labels(role, name).set(1 if ok else 0)
+
+        await asyncio.gather(
+            *(probe("prefill", n, u) for n, u in self.prefills.items()),
+            *(probe("decode", n, u) for n, u in self.decoders.items()),
+        )
+
+    def upstreams_ready(self) -> bool:
+        return any(ok for (role, _), ok in self.healthy.items() if role == "prefill") and any(
+            ok for (role, _), ok in self.healthy.items() if role == "decode"
+        )
+
+    async def drain(self) -> None:
+        self.accepting = False
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout=self.settings.gateway_drain_grace_s)
+
+
+class ClientAnswer(Exception):  # noqa: N818 - a control-flow signal, not an error
+    """An upstream's non-5xx error answer, passed back to the client as it is."""
+
+    def __init__(self, status: int, payload: bytes, content_type: str) -> None:
+        super().__init__(status)
+        self.status = status
+        self.payload = payload
+        self.content_type = content_type
+
+    def response(self, request_id: str) -> web.Response:
+        headers = {REQUEST_ID_HEADER: request_id}
+        if self.content_type == "application/json":
+            return web.Response(
+                body=self.payload,
+                status=self.status,
+                headers=headers,
+                content_type="application/json",
+            )
+        message = self.payload[:1000].decode("utf-8", "replace")
+        return _error(self.status, message, request_id=request_id)
+
+
+def _error(
+    status: int, message: str, *, param: str | None = None, request_id: str | None = None
+) -> web.Response:
+    headers = {REQUEST_ID_HEADER: request_id} if request_id else None
+    return web.json_response(
+        openai_error(message, status, param=param), status=status, headers=headers
+    )
+
+
+def build_app(gateway: Gateway) -> web.Application:
+    app = web.Application(client_max_size=64 << 20)
+    app.router.add_post("/v1/completions", gateway.completions)
+    app.router.add_post("/v1/chat/completions", gateway.chat_completions)
+    app.router.add_get("/v1/models", gateway.models)
+    app.router.add_get("/healthz", gateway.healthz)
+    app.router.add_get("/readyz", gateway.readyz)
+    app.router.add_get("/metrics", gateway.metrics_endpoint)
+    return app
+
+
+async def setup(ctx: ServiceContext[GatewaySettings]) -> None:
+    s = ctx.settings
+    session = aiohttp.ClientSession()
+    ctx.stack.push_async_callback(session.close)
+    gateway = Gateway(ctx, session)
+    if s.gateway_signature_source == "routed_experts":
+        gateway.response_sources = _response_sources(s, list(gateway.prefills))
+    await ctx.bus.subscribe(gateway.inbox, Decision, gateway.on_decision)
+    await gateway.probe_once()
+    probe = asyncio.create_task(gateway.probe_loop(), name="upstream-probe")
+
+    async def stop_probe() -> None:
+        probe.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await probe
+
+    ctx.stack.push_async_callback(stop_probe)
+    ctx.add_health_check("upstreams", gateway.upstreams_ready)
+    runner = web.AppRunner(build_app(gateway), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, s.gateway_host, s.gateway_port)
+    await site.start()
+    ctx.stack.push_async_callback(runner.cleanup)
+    ctx.on_stopping(gateway.drain)
+    ctx.set_ready()
+    log.info(
+        "gateway %s on port %d: prefill %s, decode %s, signature source %s",
+        s.instance_id,
+        s.gateway_port,
+        ", ".join(gateway.prefills),
+        ", ".join(gateway.decoders),
+        s.gateway_signature_source,
+    )
+
+
+def _response_sources(s: GatewaySettings, prefills: list[str]) -> dict[str, ResponseSource]:
+    if not (s.gateway_num_moe_layers and s.gateway_num_experts and s.gateway_top_k):
+        raise ValueError(
+            "the routed_experts source needs ELDR_GATEWAY_NUM_MOE_LAYERS, "
+            "ELDR_GATEWAY_NUM_EXPERTS and ELDR_GATEWAY_TOP_K"
+        )
+    if not s.gateway_model_key:
+        raise ValueError("the routed_experts source needs ELDR_GATEWAY_MODEL_KEY")
+    geometry = Geometry(s.gateway_num_moe_layers, s.gateway_num_experts, s.gateway_top_k)
+    return {
+        name: ResponseSource(
+            CaptureConfig(name, s.gateway_model_key, s.gateway_block_size, geometry)
+        )
+        for name in prefills
+    }
+
+
+def main() -> int:
+    return service_main(NAME, GatewaySettings, setup)

@@ -1,0 +1,96 @@
+"""Settings of the gateway (`ELDR_*` environment variables)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from eldr.settings import CommonSettings
+from eldr.vllm.pd import parse_instances
+
+
+class GatewaySettings(CommonSettings):
+    gateway_host: str = Field(default="0.0.0.0", description="Address the OpenAI API binds.")
+    gateway_port: int = Field(
+        default=8000,
+        ge=0,
+        le=65535,
+        description="Port of the OpenAI API (and /healthz, /readyz, /metrics); 0 picks a free one.",
+    )
+    gateway_prefill: str = Field(
+        default="prefill-0=http://127.0.0.1:8100",
+        description="Prefill vLLM instances, `id=url` comma-separated; the id is the "
+        "instance's ELDR_VLLM_WORKER_ID.",
+    )
+    gateway_decode: str = Field(
+        default="decode-0=http://127.0.0.1:8200",
+        description="Decode vLLM instances, `id=url` comma-separated; the id is the worker "
+        "id its decode adapter reports load under (what decisions name).",
+    )
+    gateway_decision_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="How long to wait for the routing decision after the prefill answered; "
+        "then read the DECISIONS stream, then fall back to the least-loaded decoder.",
+    )
+    gateway_upstream_timeout_s: float = Field(
+        default=600.0, gt=0, description="Bound on one upstream request (prefill or decode)."
+    )
+    gateway_connect_timeout_s: float = Field(
+        default=5.0, gt=0, description="Bound on connecting to an upstream instance."
+    )
+    gateway_max_decode_attempts: int = Field(
+        default=3,
+        ge=1,
+        description="Decode instances tried for one request when they fail before streaming.",
+    )
+    gateway_health_interval_s: float = Field(
+        default=2.0, gt=0, description="Period of the upstream /health probes."
+    )
+    gateway_drain_grace_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="On shutdown, how long requests in flight may finish.",
+    )
+    gateway_signature_source: Literal["plugin", "routed_experts"] = Field(
+        default="plugin",
+        description="Who publishes block summaries and PrefillDone: `plugin` (the capture "
+        "plugin in the prefill engine) or `routed_experts` (this gateway, from the "
+        "prefill's response; needs vLLM's --enable-return-routed-experts, GPU builds only).",
+    )
+    gateway_block_size: int = Field(
+        default=32,
+        ge=1,
+        description="Block size of the summaries the gateway publishes itself "
+        "(routed_experts source only).",
+    )
+
+    gateway_model_key: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=256,
+        description="Model name the published block summaries are keyed by (routed_experts "
+        "source only; the capture plugin's ELDR_VLLM_MODEL).",
+    )
+    gateway_num_moe_layers: int | None = Field(
+        default=None, ge=1, description="MoE layers of the model (routed_experts source only)."
+    )
+    gateway_num_experts: int | None = Field(
+        default=None, ge=1, description="Experts per MoE layer (routed_experts source only)."
+    )
+    gateway_top_k: int | None = Field(
+        default=None, ge=1, description="Experts per token (routed_experts source only)."
+    )
+
+    @field_validator("gateway_prefill", "gateway_decode")
+    @classmethod
+    def _instances(cls, value: str) -> str:
+        parse_instances(value, "instances")
+        return value
+
+    def prefill_instances(self) -> dict[str, str]:
+        return parse_instances(self.gateway_prefill, "gateway_prefill")
+
+    def decode_instances(self) -> dict[str, str]:
+        return parse_instances(self.gateway_decode, "gateway_decode")

@@ -1,0 +1,309 @@
+"""The gateway against a real nats-server and router, with stand-in vLLM servers.
+
+`StandInVllm` is a test double of a vLLM OpenAI server, not vLLM: as a prefill instance it
+answers with `kv_transfer_params` and publishes the `PrefillDone` the capture plugin would
+(request id and reply inbox from `vllm_xargs`); as a decode instance it answers (or
+streams) a completion derived from the prompt and records what it was sent. Real vLLM runs
+in tests/vllm (`make test-vllm`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from eldr.bus import Bus
+from eldr.bus.topology import DECISIONS
+from eldr.runtime import run_service
+from eldr.settings import BusSettings, RetentionSettings
+from eldr.wire import Decision, LoadReport, PrefillDone
+from eldr_services.gateway.service import setup as gateway_setup
+from eldr_services.gateway.settings import GatewaySettings
+from eldr_services.router.service import setup as router_setup
+from eldr_services.router.settings import RouterSettings
+
+pytestmark = pytest.mark.integration
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class StandInVllm:
+    """Test double of one vLLM OpenAI server (see the module docstring)."""
+
+    def __init__(self, name: str, bus: Bus | None = None, failures: list[int] | None = None):
+        self.name = name
+        self.bus = bus
+        self.failures = failures if failures is not None else [0]
+        """Decode requests still to fail with a 500 (a list shared between instances)."""
+        self.publish_prefill_done = True
+        self.seen: list[tuple[str, dict[str, Any], str | None]] = []
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.handle)
+        app.router.add_post("/v1/chat/completions", self.handle)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def health(self, _: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def models(self, _: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "m"}]})
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.seen.append((request.path, body, request.headers.get("X-Request-Id")))
+        if body.get("prompt") == "refuse":
+            return web.json_response({"error": {"message": "no", "type": "x"}}, status=400)
+        kv = body.get("kv_transfer_params") or {}
+        if kv.get("do_remote_decode"):
+            return await self.prefill(body)
+        if self.failures[0] > 0:
+            self.failures[0] -= 1
+            return web.Response(status=500, text="decode broke")
+        text = f"{self.name}:{json.dumps(body.get('prompt') or body.get('messages'))}"
+        if not body.get("stream"):
+            return web.json_response({"id": "x", "choices": [{"index": 0, "text": text}]})
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for piece in (text[:5], text[5:]):
+            await out.write(f"data: {json.dumps({'choices': [{'text': piece}]})}\n\n".encode())
+        await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+    async def prefill(self, body: dict[str, Any]) -> web.Response:
+        xargs = body["vllm_xargs"]
+        if self.bus is not None and self.publish_prefill_done:
+            await self.bus.js_publish(
+                self.bus.subjects.prefill_done(self.name),
+                PrefillDone(
+                    request_id=xargs["eldr_request_id"],
+                    model="m",
+                    prefill_worker=self.name,
+                    ts_s=time.time(),
+                    block_size=16,
+                    block_hashes=[],
+                    n_prompt_tokens=3,
+                    partial=None,
+                    num_moe_layers=2,
+                    num_experts=4,
+                    reply_to=xargs["eldr_reply_to"],
+                ),
+            )
+        return web.json_response(
+            {"choices": [{"text": "x"}], "kv_transfer_params": {"remote_engine_id": self.name}}
+        )
+
+
+@asynccontextmanager
+async def service(name: str, settings: Any, setup: Any) -> AsyncIterator[None]:
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(
+        run_service(name, settings, setup, stop=stop, ready=ready, install_signal_handlers=False)
+    )
+    try:
+        await asyncio.wait_for(ready.wait(), 20)
+        yield
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+
+@asynccontextmanager
+async def load_reports(bus: Bus, workers: list[str]) -> AsyncIterator[None]:
+    async def loop() -> None:
+        seq = 0
+        while True:
+            seq += 1
+            for w in workers:
+                await bus.publish(
+                    bus.subjects.load(w),
+                    LoadReport(
+                        worker_id=w,
+                        incarnation="i",
+                        seq=seq,
+                        ts_s=time.time(),
+                        running=0,
+                        waiting=0,
+                        kv_tokens=0,
+                        kv_capacity_tokens=1000,
+                        admitted=[],
+                    ),
+                )
+            await asyncio.sleep(0.2)
+
+    task = asyncio.create_task(loop())
+    try:
+        yield
+    finally:
+        task.cancel()
+
+
+class Stack:
+    def __init__(self, port: int, bus: Bus, prefill: StandInVllm, decoders: list[StandInVllm]):
+        self.url = f"http://127.0.0.1:{port}"
+        self.bus = bus
+        self.prefill = prefill
+        self.decoders = decoders
+
+
+@pytest.fixture
+async def stack(
+    bus_factory: Any, bus_settings: BusSettings, retention: RetentionSettings
+) -> AsyncIterator[Stack]:
+    bus = await bus_factory("stand-ins")
+    prefill = StandInVllm("prefill-0", bus)
+    failures = [0]
+    decoders = [
+        StandInVllm("decode-0", failures=failures),
+        StandInVllm("decode-1", failures=failures),
+    ]
+    for server in (prefill, *decoders):
+        await server.start()
+    base = bus_settings.model_dump() | retention.model_dump()
+    port = free_port()
+    gateway = GatewaySettings(
+        **base,
+        gateway_host="127.0.0.1",
+        gateway_port=port,
+        gateway_prefill=f"prefill-0={prefill.url}",
+        gateway_decode=",".join(f"{d.name}={d.url}" for d in decoders),
+        gateway_decision_timeout_s=2.0,
+        gateway_health_interval_s=0.2,
+    )
+    router = RouterSettings(**base, policy="jsq", stale_after_s=2.0)
+    async with (
+        load_reports(bus, [d.name for d in decoders]),
+        service("router", router, router_setup),
+        service("gateway", gateway, gateway_setup),
+    ):
+        yield Stack(port, bus, prefill, decoders)
+    for server in (prefill, *decoders):
+        await server.stop()
+
+
+async def decision_of(bus: Bus, request_id: str) -> Decision | None:
+    stream = f"{bus.settings.namespace.upper()}_{DECISIONS}"
+    return await bus.get_last(stream, bus.subjects.decision(request_id), Decision)
+
+
+def decoded_by(stack: Stack, request_id: str) -> list[StandInVllm]:
+    return [d for d in stack.decoders if any(rid == request_id for _, _, rid in d.seen)]
+
+
+async def test_completion_goes_prefill_decision_decode_under_the_clients_id(stack: Stack) -> None:
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(
+            stack.url + "/v1/completions",
+            json={"prompt": "hello", "max_tokens": 8},
+            headers={"X-Request-Id": "client-42"},
+        )
+        body = await resp.json()
+    assert resp.status == 200
+    assert resp.headers["X-Request-Id"] == "client-42"
+    (_prefill_path, prefill_body, prefill_rid) = stack.prefill.seen[0]
+    assert prefill_rid == "client-42"
+    assert prefill_body["max_tokens"] == 1
+    assert prefill_body["vllm_xargs"]["eldr_request_id"] == "client-42"
+    (decoder,) = decoded_by(stack, "client-42")
+    _, decode_body, _ = decoder.seen[0]
+    assert decode_body["kv_transfer_params"] == {"remote_engine_id": "prefill-0"}
+    assert decode_body["max_tokens"] == 8
+    assert body["choices"][0]["text"] == f'{decoder.name}:"hello"'
+    recorded = await decision_of(stack.bus, "client-42")
+    assert recorded is not None
+    assert recorded.worker_id == decoder.name == resp.headers["X-Eldr-Decode-Worker"]
+
+
+async def test_streaming_chat_is_passed_through(stack: Stack) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(
+            stack.url + "/v1/chat/completions",
+            json={"messages": messages, "stream": True},
+            headers={"X-Request-Id": "chat-1"},
+        )
+        raw = (await resp.read()).decode()
+    assert resp.status == 200
+    assert resp.headers["Content-Type"].startswith("text/event-stream")
+    chunks = [line[6:] for line in raw.splitlines() if line.startswith("data: ")]
+    assert chunks[-1] == "[DONE]"
+    text = "".join(json.loads(c)["choices"][0]["text"] for c in chunks[:-1])
+    (decoder,) = decoded_by(stack, "chat-1")
+    assert text == f"{decoder.name}:{json.dumps(messages)}"
+    assert stack.prefill.seen[0][0] == "/v1/chat/completions"
+
+
+async def test_a_failing_decoder_is_replaced_before_streaming(stack: Stack) -> None:
+    stack.decoders[0].failures[0] = 1  # shared: whichever is tried first fails
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(
+            stack.url + "/v1/completions",
+            json={"prompt": "p"},
+            headers={"X-Request-Id": "retry-1"},
+        )
+        body = await resp.json()
+    assert resp.status == 200
+    tried = decoded_by(stack, "retry-1")
+    assert len(tried) == 2
+    assert body["choices"][0]["text"].startswith(resp.headers["X-Eldr-Decode-Worker"])
+
+
+async def test_client_errors_are_openai_shaped(stack: Stack) -> None:
+    async with aiohttp.ClientSession() as http:
+        bad = await http.post(stack.url + "/v1/completions", json={"prompt": "x", "n": 3})
+        refused = await http.post(stack.url + "/v1/completions", json={"prompt": "refuse"})
+        not_json = await http.post(stack.url + "/v1/completions", data=b"{")
+        assert bad.status == 400
+        assert (await bad.json())["error"]["param"] == "n"
+        assert refused.status == 400
+        assert (await refused.json())["error"]["message"] == "no"
+        assert not_json.status == 400
+        assert "error" in await not_json.json()
+
+
+async def test_without_a_decision_the_least_loaded_decoder_serves(stack: Stack) -> None:
+    stack.prefill.publish_prefill_done = False
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(
+            stack.url + "/v1/completions", json={"prompt": "p"}, headers={"X-Request-Id": "nd"}
+        )
+        assert resp.status == 200
+        metrics = await (await http.get(stack.url + "/metrics")).text()
+    assert 'eldr_gateway_decisions_total{source="fallback"} 1.0' in metrics
+    assert await decision_of(stack.bus, "nd") is None
+
+
+async def test_models_health_and_readiness(stack: Stack) -> None:
+    async with aiohttp.ClientSession() as http:
+        models = await http.get(stack.url + "/v1/models")
+        assert (await models.json())["data"][0]["id"] == "m"
+        assert (await http.get(stack.url + "/healthz")).status == 200
+        ready = await http.get(stack.url + "/readyz")
+        assert ready.status == 200
+        assert (await ready.json())["upstreams"] is True

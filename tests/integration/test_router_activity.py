@@ -1,0 +1,211 @@
+"""Cost-aware routing in the routing service: the activity of every replica's decisions
+steers it, and decode profiles (finished requests) release it."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import aiohttp
+import numpy as np
+import pytest
+
+from eldr.bus import Bus, Delivery
+from eldr.bus.topology import DECISIONS
+from eldr.runtime import run_service
+from eldr.settings import BusSettings, RetentionSettings
+from eldr.wire import Decision, DecodeProfile, LoadReport, PrefillDone, SparseCounts
+from eldr_services.router.service import setup
+from eldr_services.router.settings import RouterSettings
+
+pytestmark = pytest.mark.integration
+
+L, E = 2, 4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def counts(*experts: int) -> np.ndarray:
+    x = np.zeros((L, E), dtype=np.uint32)
+    x[:, list(experts)] = 3
+    return x
+
+
+@asynccontextmanager
+async def running_router(settings: RouterSettings) -> AsyncIterator[None]:
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(
+        run_service(
+            "router", settings, setup, stop=stop, ready=ready, install_signal_handlers=False
+        )
+    )
+    try:
+        await asyncio.wait_for(ready.wait(), 20)
+        yield
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 20)
+
+
+@asynccontextmanager
+async def reporting(bus: Bus, admitted: dict[str, list[str]]) -> AsyncIterator[None]:
+    """Both workers report 3 running requests, listing as admitted what `admitted` holds
+    now (so another replica's decisions are not also counted as pending)."""
+
+    async def loop() -> None:
+        seq = 0
+        while True:
+            seq += 1
+            for w in ("d0", "d1"):
+                await bus.publish(
+                    bus.subjects.load(w),
+                    LoadReport(
+                        worker_id=w,
+                        incarnation="inc",
+                        seq=seq,
+                        ts_s=time.time(),
+                        running=3,
+                        waiting=0,
+                        kv_tokens=300,
+                        kv_capacity_tokens=100_000,
+                        admitted=list(admitted[w]),
+                    ),
+                )
+            await asyncio.sleep(0.1)
+
+    task = asyncio.create_task(loop())
+    try:
+        yield
+    finally:
+        task.cancel()
+
+
+async def other_replica_decides(bus: Bus, rid: str, worker: str, experts: tuple[int, ...]) -> None:
+    await bus.js_publish(
+        bus.subjects.decision(rid),
+        Decision(
+            request_id=rid,
+            ts_s=time.time(),
+            router_id="elsewhere",
+            model="m",
+            worker_id=worker,
+            policy="eldr_cost",
+            params={},
+            partition_version=None,
+            fallback=None,
+            scores=[],
+            band=[],
+            loads=[],
+            signature=SparseCounts.from_dense(counts(*experts)),
+            missing_blocks=0,
+            decide_s=0.001,
+            prompt_tokens=6,
+        ),
+    )
+
+
+async def finished(bus: Bus, rid: str, worker: str) -> None:
+    await bus.js_publish(
+        bus.subjects.profiles(worker),
+        DecodeProfile(
+            request_id=rid,
+            worker_id=worker,
+            ts_s=time.time(),
+            tokens=4,
+            counts=SparseCounts.from_dense(counts(2, 3)),
+        ),
+    )
+
+
+async def activity(port: int) -> float:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(f"http://127.0.0.1:{port}/metrics") as response,
+    ):
+        text = await response.text()
+    found = re.search(r"^eldr_router_activity_requests (\S+)$", text, re.MULTILINE)
+    assert found is not None
+    return float(found.group(1))
+
+
+async def wait_for_activity(port: int, value: float) -> None:
+    deadline = time.monotonic() + 10
+    while await activity(port) != value:
+        assert time.monotonic() < deadline, f"activity never reached {value}"
+        await asyncio.sleep(0.05)
+
+
+async def route(bus: Bus, rid: str, experts: tuple[int, ...]) -> Decision:
+    """A prompt shorter than one block: its partial block is the whole signature."""
+    await bus.js_publish(
+        bus.subjects.prefill_done("p0"),
+        PrefillDone(
+            request_id=rid,
+            model="m",
+            prefill_worker="p0",
+            ts_s=time.time(),
+            block_size=16,
+            block_hashes=[],
+            n_prompt_tokens=6,
+            partial=SparseCounts.from_dense(counts(*experts)),
+            num_moe_layers=L,
+            num_experts=E,
+        ),
+    )
+    got: list[Decision] = []
+    done = asyncio.Event()
+
+    async def on(msg: Decision, _: Delivery) -> None:
+        if msg.request_id == rid:
+            got.append(msg)
+            done.set()
+
+    stream = f"{bus.subjects.namespace.upper()}_{DECISIONS}"
+    replay = await bus.replay(stream, bus.subjects.decision(rid), Decision, on)
+    try:
+        await asyncio.wait_for(done.wait(), 20)
+    finally:
+        await replay.stop()
+    return got[0]
+
+
+async def test_cost_aware_routing_follows_activity_and_forgets_finished_requests(
+    bus: Bus, bus_settings: BusSettings, retention: RetentionSettings
+) -> None:
+    port = free_port()
+    settings = RouterSettings(
+        **(bus_settings.model_dump() | retention.model_dump()),
+        signature_timeout_s=0.05,
+        stale_after_s=2.0,
+        metrics_port=port,
+    )
+    assert settings.policy == "eldr_cost"  # the default
+    admitted: dict[str, list[str]] = {"d0": [], "d1": []}
+    async with reporting(bus, admitted), running_router(settings):
+        # Another replica sent three expert-2/3 requests to d1.
+        for i in range(3):
+            admitted["d1"].append(f"y{i}")
+            await other_replica_decides(bus, f"y{i}", "d1", (2, 3))
+        await wait_for_activity(port, 3)
+        first = await route(bus, "r1", (2, 3))
+        assert (first.worker_id, first.policy, first.fallback) == ("d1", "eldr_cost", None)
+        # They finish; then two expert-2/3 requests go to d0.
+        for i in range(3):
+            await finished(bus, f"y{i}", "d1")
+        await finished(bus, "r1", first.worker_id)
+        await wait_for_activity(port, 0)
+        for i in range(2):
+            admitted["d0"].append(f"z{i}")
+            await other_replica_decides(bus, f"z{i}", "d0", (2, 3))
+        await wait_for_activity(port, 2)
+        second = await route(bus, "r2", (2, 3))
+    # Had d1's finished requests still counted, d1 (3 of them) would have won again.
+    assert second.worker_id == "d0"

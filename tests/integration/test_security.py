@@ -1,0 +1,393 @@
+"""Security against a real nats-server with mutual TLS, password and NKEY users and the
+per-role permissions of `deploy/nats/permissions.yaml`:
+
+- the services work with these credentials (a router commits decisions; a decode worker
+  authenticated by NKEY reports its load; a prefill worker by password sends PrefillDone);
+- a client without the rights cannot publish decisions, partition announcements or
+  partition blobs, nor another worker's load reports;
+- wrong passwords, unknown NKEYs and clients without a certificate are refused;
+- credentials given to a service (NATS password, NATS URL with user info, database URL
+  with a password) never appear in its logs or its /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+from secure_nats import SecureNats, User, missing_reason, new_nkey_seed, start_secure_nats
+
+from eldr.bus import Bus, BusError, Delivery, apply_topology, build_topology
+from eldr.dev.natsserver import free_port
+from eldr.dev.stack import serve_command
+from eldr.runtime import run_service
+from eldr.settings import BusSettings, RetentionSettings
+from eldr.wire import (
+    Decision,
+    LoadReport,
+    PartitionAnnouncement,
+    PrefillDone,
+    RefitReply,
+    RefitRequest,
+)
+from eldr_services.router.service import setup as router_setup
+from eldr_services.router.settings import RouterSettings
+
+pytestmark = pytest.mark.integration
+
+USERS = [
+    User("router", "router"),
+    User("trainer", "trainer", nkey=True),
+    User("operator", "operator"),
+    User("dw0", "decode", instances=("dw0",), nkey=True),
+    User("pw0", "prefill", instances=("pw0",)),
+    User("nobody", None),
+    User("admin", "*"),
+]
+
+
+@pytest.fixture(scope="module")
+def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureNats]:
+    reason = missing_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    namespace = f"s{uuid.uuid4().hex[:10]}"
+    server = start_secure_nats(tmp_path_factory.mktemp("secure-nats"), namespace, USERS)
+    try:
+        yield server
+    finally:
+        server.server.stop()
+
+
+def settings_for(secure: SecureNats, name: str, **overrides: object) -> BusSettings:
+    creds = secure.users[name]
+    fields: dict[str, object] = {
+        "nats_url": secure.url,
+        "namespace": secure.namespace,
+        "tls_ca_file": secure.certs.ca,
+        "tls_cert_file": secure.certs.client_cert,
+        "tls_key_file": secure.certs.client_key,
+        "startup_wait_s": 5.0,
+        "reconnect_wait_s": 0.1,
+        "request_timeout_s": 1.0,
+        "fetch_timeout_s": 0.2,
+    }
+    if creds.password is not None:
+        fields.update(user=name, password=creds.password)
+    else:
+        fields.update(nkeys_seed_file=creds.seed_file)
+    fields.update(overrides)
+    return BusSettings(**fields)  # type: ignore[arg-type]
+
+
+RETENTION = RetentionSettings(
+    **{f"{s}_max_bytes": 8 << 20 for s in ("blocks", "prefill", "decisions", "load", "dlq")},
+    profiles_max_bytes=8 << 20,
+    partitions_max_bytes=16 << 20,
+)
+
+
+@asynccontextmanager
+async def connected(secure: SecureNats, name: str) -> AsyncIterator[Bus]:
+    bus = await Bus.connect(settings_for(secure, name), f"test-{name}")
+    try:
+        yield bus
+    finally:
+        await bus.drain()
+
+
+async def topology(secure: SecureNats) -> None:
+    """The router's rights include creating the topology (every service applies it)."""
+    async with connected(secure, "router") as bus:
+        await apply_topology(bus, build_topology(secure.namespace, RETENTION))
+
+
+def done(rid: str, reply_to: str | None) -> PrefillDone:
+    return PrefillDone(
+        request_id=rid,
+        model="m",
+        prefill_worker="pw0",
+        ts_s=time.time(),
+        block_size=16,
+        block_hashes=[],
+        n_prompt_tokens=4,
+        partial=None,
+        num_moe_layers=2,
+        num_experts=4,
+        reply_to=reply_to,
+    )
+
+
+def load_report(worker: str, seq: int) -> LoadReport:
+    return LoadReport(
+        worker_id=worker,
+        incarnation="i",
+        seq=seq,
+        ts_s=time.time(),
+        running=0,
+        waiting=0,
+        kv_tokens=0,
+        kv_capacity_tokens=1000,
+        admitted=[],
+    )
+
+
+async def test_services_work_with_mutual_tls_passwords_and_nkeys(secure: SecureNats) -> None:
+    await topology(secure)
+    router = RouterSettings(
+        **settings_for(secure, "router").model_dump(),
+        **RETENTION.model_dump(),
+        policy="jsq",
+        instance_id="router-sec",
+    )
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(
+        run_service(
+            "router",
+            router,
+            router_setup,
+            stop=stop,
+            ready=ready,
+            install_signal_handlers=False,
+            no_echo=True,
+        )
+    )
+    try:
+        await asyncio.wait_for(ready.wait(), 20)
+        async with connected(secure, "dw0") as worker, connected(secure, "pw0") as prefill:
+            replies: asyncio.Queue[Decision] = asyncio.Queue()
+
+            async def on_reply(decision: Decision, _: Delivery) -> None:
+                await replies.put(decision)
+
+            inbox = f"_INBOX.{uuid.uuid4().hex}"
+            await prefill.subscribe(inbox, Decision, on_reply)
+            for seq in range(3):
+                await worker.publish(worker.subjects.load("dw0"), load_report("dw0", seq))
+            await prefill.js_publish(
+                prefill.subjects.prefill_done("pw0"), done("sec-1", inbox), msg_id="sec-1"
+            )
+            decision = await asyncio.wait_for(replies.get(), 10)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 20)
+    assert decision.request_id == "sec-1"
+    assert decision.worker_id == "dw0"
+
+
+def _decision(rid: str) -> Decision:
+    return Decision(
+        request_id=rid,
+        ts_s=time.time(),
+        router_id="forged",
+        model="m",
+        worker_id="dw0",
+        policy="jsq",
+        params={},
+        partition_version=None,
+        fallback=None,
+        scores=[],
+        band=[],
+        loads=[],
+        signature=None,
+        missing_blocks=0,
+        decide_s=0.0,
+    )
+
+
+@pytest.mark.parametrize("name", ["nobody", "dw0", "pw0"])
+async def test_a_client_without_rights_cannot_publish_decisions_or_partitions(
+    secure: SecureNats, name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    await topology(secure)
+    rid = f"forged-{name}"
+    async with connected(secure, name) as intruder, connected(secure, "admin") as admin:
+        subjects = intruder.subjects
+        caplog.set_level(logging.WARNING, logger="eldr.bus.client")
+        with pytest.raises(BusError):  # no ack: the server dropped the publish
+            await intruder.js_publish(subjects.decision(rid), _decision(rid), timeout_s=1.0)
+        await intruder.publish(subjects.decision(rid), _decision(rid))  # core: recorded if let in
+        announcement = PartitionAnnouncement(
+            version=99,
+            model="m",
+            object_name="v99",
+            sha256="0" * 64,
+            created_ts_s=time.time(),
+            k=1,
+            dim=1,
+            workers=["dw0"],
+        )
+        with pytest.raises(BusError):
+            await intruder.js_publish(subjects.partition_active, announcement, timeout_s=1.0)
+        await intruder.publish(subjects.partition_active, announcement)
+        with pytest.raises(BusError):
+            await intruder.object_put(f"{secure.namespace}-partitions", "v99", announcement)
+        await intruder.flush()
+        stream = f"{secure.namespace.upper()}"
+        assert await admin.get_last(f"{stream}_DECISIONS", subjects.decision(rid), Decision) is None
+        assert (
+            await admin.get_last(
+                f"{stream}_PARTITIONS", subjects.partition_active, PartitionAnnouncement
+            )
+            is None
+        )
+    assert "permissions violation" in caplog.text.lower()  # the server said why
+
+
+async def test_a_decode_worker_may_report_only_its_own_load(secure: SecureNats) -> None:
+    await topology(secure)
+    async with connected(secure, "dw0") as worker, connected(secure, "admin") as admin:
+        await worker.publish(worker.subjects.load("dw0"), load_report("dw0", 1))
+        await worker.publish(worker.subjects.load("dw1"), load_report("dw1", 1))
+        await worker.flush()
+        stream = f"{secure.namespace.upper()}_LOAD"
+        own = await admin.get_last(stream, admin.subjects.load("dw0"), LoadReport)
+        other = await admin.get_last(stream, admin.subjects.load("dw1"), LoadReport)
+    assert own is not None
+    assert other is None
+
+
+@pytest.mark.parametrize(
+    "case", ["wrong_password", "unknown_nkey", "no_client_certificate", "no_tls"]
+)
+async def test_bad_credentials_are_refused(secure: SecureNats, case: str, tmp_path: Path) -> None:
+    overrides: dict[str, object] = {"startup_wait_s": 2.0, "connect_timeout_s": 1.0}
+    name = "router"
+    if case == "wrong_password":
+        overrides["password"] = "not-the-password"
+    elif case == "unknown_nkey":
+        seed, _ = new_nkey_seed()
+        (tmp_path / "other.nk").write_text(seed)
+        name = "dw0"
+        overrides["nkeys_seed_file"] = tmp_path / "other.nk"
+    elif case == "no_client_certificate":
+        overrides.update(tls_cert_file=None, tls_key_file=None)
+    else:
+        overrides.update(
+            nats_url=f"nats://127.0.0.1:{secure.server.port}",
+            tls_ca_file=None,
+            tls_cert_file=None,
+            tls_key_file=None,
+        )
+    settings = settings_for(secure, name, **overrides)
+    with pytest.raises((BusError, TimeoutError)):
+        await Bus.connect(settings, f"bad-{case}")
+
+
+# --- credentials stay out of logs and metrics ---------------------------------------------
+
+
+def _spawn(name: str, env: dict[str, str], port: int, log: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        serve_command(name),
+        env={**os.environ, **env, "ELDR_METRICS_PORT": str(port), "PYTHONUNBUFFERED": "1"},
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def _get(url: str) -> str:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return str(response.read().decode())
+    except OSError as exc:
+        return f"({exc})"
+
+
+async def _wait_http(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert process.poll() is None, log.read_text()  # noqa: ASYNC240 - a failure
+        if '"ready": true' in _get(url):
+            return
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"{url} not ready:\n{log.read_text()[-3000:]}")  # noqa: ASYNC240
+
+
+@pytest.mark.slow
+async def test_credentials_never_appear_in_logs_or_metrics(
+    secure: SecureNats, tmp_path: Path
+) -> None:
+    await topology(secure)
+    nats_password = secure.users["router"].password
+    assert nats_password is not None
+    db_password = "db-" + uuid.uuid4().hex
+    common = {
+        "ELDR_NAMESPACE": secure.namespace,
+        "ELDR_LOG_LEVEL": "DEBUG",
+        "ELDR_TLS_CA_FILE": str(secure.certs.ca),
+        "ELDR_TLS_CERT_FILE": str(secure.certs.client_cert),
+        "ELDR_TLS_KEY_FILE": str(secure.certs.client_key),
+        **{f"ELDR_{k.upper()}": str(v) for k, v in RETENTION.model_dump().items()},
+    }
+    # The router gets its password inside the URL; the trainer by NKEY and a database URL
+    # with a password, on a port where nothing listens (every refit fails and says why).
+    router_env = {
+        **common,
+        "ELDR_NATS_URL": f"tls://router:{nats_password}@127.0.0.1:{secure.server.port}",
+        "ELDR_INSTANCE_ID": "router-secret",
+    }
+    seed_file = secure.users["trainer"].seed_file
+    assert seed_file is not None
+    seed = seed_file.read_text().strip()
+    trainer_env = {
+        **common,
+        "ELDR_NATS_URL": secure.url,
+        "ELDR_NKEYS_SEED_FILE": str(seed_file),
+        "ELDR_DATABASE_URL": f"postgresql+psycopg://eldr:{db_password}@127.0.0.1:{free_port()}/x",
+        "ELDR_DATABASE_CONNECT_TIMEOUT_S": "1",
+        "ELDR_TRAINER_WORKERS": "dw0",
+        "ELDR_MIN_SAMPLES": "1",
+        "ELDR_INSTANCE_ID": "trainer-secret",
+    }
+    ports = {"router": free_port(), "trainer": free_port()}
+    logs = {name: tmp_path / f"{name}.log" for name in ports}
+    processes = {
+        "router": _spawn("router", router_env, ports["router"], logs["router"]),
+        "trainer": _spawn("trainer", trainer_env, ports["trainer"], logs["trainer"]),
+    }
+    scraped: list[str] = []
+    try:
+        for name, process in processes.items():
+            await _wait_http(f"http://127.0.0.1:{ports[name]}/readyz", process, logs[name])
+        async with connected(secure, "operator") as operator:
+            # Answered (skipped: no requests); the database errors came at start.
+            reply = await operator.request(
+                operator.subjects.trainer_refit,
+                RefitRequest(reason="secrets test"),
+                RefitReply,
+                timeout_s=30,
+            )
+        for name in ports:
+            for path in ("metrics", "healthz", "readyz"):
+                scraped.append(_get(f"http://127.0.0.1:{ports[name]}/{path}"))
+    finally:
+        for process in processes.values():
+            process.send_signal(signal.SIGTERM)
+        for process in processes.values():
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+    output = "\n".join(log.read_text(errors="replace") for log in logs.values())
+    everything = output + "\n".join(scraped) + reply.message
+    for secret in (nats_password, db_password, seed):
+        assert secret not in everything
+    # The checks looked at the right text: the services ran, talked about their
+    # connections and the database, and redacted what they showed.
+    assert "nats client eldr-router-router-secret connected to tls://***@127.0.0.1" in output
+    assert "eldr:***@127.0.0.1" in output
+    assert "eldr_router_decisions_total" in "\n".join(scraped)

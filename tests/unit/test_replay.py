@@ -1,0 +1,345 @@
+"""Replay of recorded decisions: reproduction on recorded inputs, what-if replays with the
+load correction, the decode model, and `explain`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from eldr.core.loadtable import LoadTable, Report
+from eldr.core.partition import Partition
+from eldr.core.policies import PolicySpec
+from eldr.core.router import DecisionRng, RouterCore, RouteRequest
+from eldr.core.signature import Calibration
+from eldr.data.profiles import load_catalog
+from eldr.eventlog import Event, EventLog
+from eldr.explain import explain
+from eldr.partitions import partition_to_blob
+from eldr.replay import (
+    ReplayConfig,
+    Replayer,
+    model_decode_effect,
+    replay,
+    reproduce_decision,
+)
+from eldr.replay import (
+    _batch_union as batch_union,
+)
+from eldr.wire import Decision, DecodeProfile, PartitionAnnouncement, SparseCounts
+
+L, E = 2, 8
+T0 = 1_700_000_000.0
+
+
+def partition(workers: tuple[str, ...] = ("d0", "d1", "d2", "d3"), version: int = 1) -> Partition:
+    """Worker k owns experts 2k and 2k+1 in both layers."""
+    cal = Calibration(L, E, "raw", None, np.ones(L, dtype=bool))
+    c = np.zeros((len(workers), L * E), dtype=np.float32)
+    for k in range(len(workers)):
+        c[k, [2 * k, 2 * k + 1, E + 2 * k, E + 2 * k + 1]] = 0.5
+    return Partition(version, "m", cal, c, np.arange(len(workers)), workers)
+
+
+def counts(topic: int, noise: int = 0, extra: int = 0) -> np.ndarray:
+    x = np.zeros((L, E), dtype=np.uint32)
+    x[:, 2 * topic] = 3
+    x[:, 2 * topic + 1] = 1
+    x[:, extra % E] += np.uint32(noise)
+    return x
+
+
+def record(
+    core: RouterCore, req: RouteRequest, ts_s: float, router_id: str = "r1", rng_seed: bool = True
+) -> Decision:
+    """What the router service commits for a decision (services/router/service.py)."""
+    out = core.decide(req, 0.0)
+    return Decision(
+        request_id=req.request_id,
+        ts_s=ts_s,
+        router_id=router_id,
+        model=req.model,
+        worker_id=out.worker_id,
+        policy=out.policy,
+        params=out.params,
+        partition_version=out.partition_version,
+        fallback=out.fallback,
+        scores=list(out.scores),
+        band=list(out.band),
+        loads=list(out.loads),
+        signature=None if req.counts is None else SparseCounts.from_dense(req.counts),
+        missing_blocks=req.missing_blocks,
+        decide_s=0.001,
+        rng_seed=out.rng_seed if rng_seed else None,
+        fleet=list(out.fleet) if rng_seed else [],
+        prompt_tokens=req.prompt_tokens,
+    )
+
+
+def router(
+    loads: dict[str, int], policy: str = "eldr", tau: float = 0.1, seed: int = 0
+) -> RouterCore:
+    table = LoadTable()
+    for w, running in loads.items():
+        table.on_report(Report(w, "x", 1, running, 0, running * 100), 0.0)
+    core = RouterCore(PolicySpec(policy, tau=tau), table, np.random.default_rng(seed))
+    core.set_partition(partition(tuple(loads)))
+    return core
+
+
+def log_of(
+    decisions: list[Decision], profiles: Sequence[DecodeProfile] = (), blobs: bool = True
+) -> EventLog:
+    p = partition()
+    events = [Event.of(d, stream="DECISIONS", seq=i + 1) for i, d in enumerate(decisions)]
+    events += [Event.of(x, stream="PROFILES", seq=i + 1) for i, x in enumerate(profiles)]
+    events.append(
+        Event.of(
+            PartitionAnnouncement(
+                version=1,
+                model="m",
+                object_name="v1",
+                sha256="0" * 64,
+                created_ts_s=T0 - 10,
+                k=p.k,
+                dim=p.calibration.dim,
+                workers=list(p.workers),
+            ),
+            stream="PARTITIONS",
+            seq=1,
+        )
+    )
+    return EventLog("t", events, {"v1": partition_to_blob(p)} if blobs else {})
+
+
+# --- reproduction ---------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    policy=st.sampled_from(["eldr", "eldr_bounded", "oracle", "jsq", "p2c", "random"]),
+    tau=st.sampled_from([0.0, 0.05, 0.3, 1.5]),
+    loads=st.lists(st.integers(0, 2), min_size=4, max_size=4),
+    topics=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 4), st.integers(0, 7)), max_size=8),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_every_decision_reproduces_from_its_record(policy, tau, loads, topics, seed) -> None:
+    core = router(dict(zip(("d0", "d1", "d2", "d3"), loads, strict=True)), policy, tau, seed)
+    p = core.partition
+    for i, (topic, noise, extra) in enumerate(topics):
+        d = record(core, RouteRequest(f"r{i}", "m", 10, counts(topic, noise, extra)), T0 + i)
+        core.table.on_assignment(d.worker_id, d.request_id, 10, 0.0)
+        result = reproduce_decision(d, p if d.partition_version else None, DecisionRng())
+        assert result.status == "reproduced", result.detail
+
+
+def test_cost_aware_decisions_replay_on_a_rebuilt_activity_table() -> None:
+    core = router({"d0": 0, "d1": 0, "d2": 0, "d3": 0}, "eldr_cost")
+    decisions = []
+    for i in range(24):
+        x = counts(i % 4, i % 3, i)
+        d = record(core, RouteRequest(f"r{i}", "m", 10, x), T0 + i)
+        core.table.on_assignment(d.worker_id, d.request_id, 10, 0.0)
+        core.note_assignment(d.worker_id, d.request_id, x, 10, T0 + i)
+        decisions.append(d)
+    assert len({d.worker_id for d in decisions}) > 1
+    report = Replayer(log_of(decisions)).reproduce()
+    # every request is still in flight, so the rebuilt table is the router's exactly
+    assert (report.approximate, report.approximate_mismatched) == (24, 0)
+    assert (report.checked, report.mismatched) == (0, 0)
+
+
+def test_a_what_if_can_switch_to_a_cost_aware_policy() -> None:
+    decisions = stream_of_decisions(30, tau=0.1)
+    cf = replay(log_of(decisions), ReplayConfig(policy="eldr_cost")).counterfactual
+    assert cf is not None
+    assert cf.policy.startswith("eldr_cost")
+    assert sum(cf.after.per_worker.values()) == 30
+
+
+def test_a_what_if_sets_policy_parameters() -> None:
+    decisions = stream_of_decisions(30, tau=0.1)
+    config = ReplayConfig(policy="eldr_bounded", params=(("slack", 0.0),))
+    cf = replay(log_of(decisions), config).counterfactual
+    assert cf is not None
+    assert cf.changes == {"policy": "eldr -> eldr_bounded", "slack": "default -> 0"}
+    assert "slack 0" in cf.policy
+
+
+def test_round_robin_decisions_replay_from_the_previous_decision_of_their_router() -> None:
+    cores = {r: router({"d0": 0, "d1": 0, "d2": 0}, "round_robin") for r in ("r1", "r2")}
+    decisions = [
+        record(cores[r], RouteRequest(f"{r}-{i}", "m", 1, counts(0)), T0 + i + 0.5 * (r == "r2"), r)
+        for i in range(6)
+        for r in ("r1", "r2")
+    ]
+    report = Replayer(log_of(decisions)).reproduce()
+    assert (report.anchored, report.reproduced, report.mismatched) == (2, 10, 0)
+
+
+def test_a_tie_without_a_recorded_seed_is_not_called_a_mismatch() -> None:
+    core = router({"d0": 0, "d1": 0}, "jsq")
+    rngs = DecisionRng()
+    # find a decision whose recorded tie-break differs from what seed 0 draws
+    for i in range(50):
+        d = record(core, RouteRequest(f"r{i}", "m", 1, counts(0)), T0, rng_seed=False)
+        if reproduce_decision(d, None, rngs).status != "reproduced":
+            break
+    result = reproduce_decision(d, None, rngs)
+    assert result.status == "tie_unrecorded"
+
+
+def test_a_decision_the_inputs_do_not_explain_is_reported_with_what_differs() -> None:
+    d = record(router({"d0": 5, "d1": 0}, "jsq"), RouteRequest("r1", "m", 1, counts(0)), T0)
+    assert d.worker_id == "d1"
+    forged = msgspec.structs.replace(d, worker_id="d0")
+    report = Replayer(log_of([forged])).reproduce()
+    assert report.mismatched == 1
+    assert report.mismatches[0]["detail"] == "worker d0 recorded, d1 replayed"
+
+
+def test_a_decision_whose_partition_blob_is_missing_is_unreplayable() -> None:
+    d = record(router({"d0": 0, "d1": 0}), RouteRequest("r1", "m", 1, counts(0)), T0)
+    report = Replayer(log_of([d], blobs=False)).reproduce()
+    assert (report.unreplayable, report.mismatched, report.checked) == (1, 0, 0)
+
+
+# --- counterfactual -------------------------------------------------------------------------
+
+
+def stream_of_decisions(n: int, tau: float, *, period_s: float = 0.1) -> list[Decision]:
+    """n decisions on four workers, topics cycling, assignments counted as pending."""
+    core = router({"d0": 0, "d1": 0, "d2": 0, "d3": 0}, "eldr", tau)
+    out = []
+    for i in range(n):
+        d = record(core, RouteRequest(f"r{i}", "m", 10, counts(i % 4, i % 3, i)), T0 + i * period_s)
+        core.table.on_assignment(d.worker_id, d.request_id, 10, 0.0)
+        out.append(d)
+    return out
+
+
+def test_tau_zero_sends_requests_to_their_best_centroid_and_raises_similarity() -> None:
+    decisions = stream_of_decisions(40, tau=1.5)  # a band of everyone: load decides
+    report = replay(log_of(decisions), ReplayConfig(tau=0.0))
+    cf = report.counterfactual
+    assert report.reproduction.reproduced == 40
+    assert cf is not None
+    assert cf.changes == {"tau": "1.5 -> 0"}
+    assert cf.changed > 0
+    best = np.mean([d.scores[0][1] for d in decisions])  # every request at its best centroid
+    assert cf.after.similarity_mean == pytest.approx(best)
+    assert cf.before.similarity_mean is not None
+    assert cf.before.similarity_mean < best - 0.1
+
+
+def test_a_load_only_replay_corrects_loads_for_the_requests_it_moved() -> None:
+    # Recorded: everything went to d0 (tau 0, one topic), and the recorded loads show d0
+    # filling up. JSQ must spread the same requests evenly over both workers, which it can
+    # only do if the load it sees counts its own moved requests.
+    core = router({"d0": 0, "d1": 0}, "eldr", 0.0)
+    decisions = []
+    for i in range(20):
+        d = record(core, RouteRequest(f"r{i}", "m", 10, counts(0)), T0 + i)
+        core.table.on_assignment(d.worker_id, d.request_id, 10, 0.0)
+        decisions.append(d)
+    assert {d.worker_id for d in decisions} == {"d0"}
+    cf = replay(log_of(decisions), ReplayConfig(policy="jsq", default_duration_s=1e6))
+    assert cf.counterfactual is not None
+    assert cf.counterfactual.after.per_worker == {"d0": 10, "d1": 10}
+    assert cf.counterfactual.changed == 10
+
+
+def test_requests_that_finished_stop_counting_in_the_corrected_load() -> None:
+    core = router({"d0": 0, "d1": 0}, "eldr", 0.0)
+    decisions = [
+        record(core, RouteRequest(f"r{i}", "m", 10, counts(0)), T0 + 10 * i) for i in range(6)
+    ]  # recorded loads stay 0: nothing pending, every request done before the next
+    cf = replay(log_of(decisions), ReplayConfig(policy="jsq", default_duration_s=1.0))
+    assert cf.counterfactual is not None
+    # each decision sees an idle fleet, so JSQ's choice is its seeded tie-break alone
+    rngs = DecisionRng()
+    expected = [("d0", "d1")[int(rngs.seeded(d.rng_seed).integers(2))] for d in decisions]
+    assert [m["to"] for m in cf.counterfactual.moves] == [w for w in expected if w != "d0"]
+
+
+# --- the decode model -----------------------------------------------------------------------
+
+
+@given(st.lists(st.lists(st.floats(0.0, 1.0), min_size=3, max_size=3), min_size=1, max_size=5))
+def test_expected_union_is_one_minus_the_product_of_misses(probs) -> None:
+    p = np.array(probs)
+    cells = [np.arange(3) for _ in probs]
+    with np.errstate(divide="ignore"):
+        logq = [np.log1p(-row) for row in p]
+    expected = float(np.sum(1.0 - np.prod(1.0 - p, axis=0)))
+    assert batch_union(np.arange(len(probs)), cells, logq, 3) == pytest.approx(expected)
+
+
+def profile_of(d: Decision, expert: int, end_s: float) -> DecodeProfile:
+    x = np.zeros((L, E), dtype=np.uint32)
+    x[:, expert] = 20  # every token of the request uses this expert in each layer
+    return DecodeProfile(
+        request_id=d.request_id,
+        worker_id=d.worker_id,
+        ts_s=end_s,
+        tokens=20,
+        counts=SparseCounts.from_dense(x),
+    )
+
+
+def test_grouping_requests_by_expert_halves_the_modelled_union_and_cuts_tpot() -> None:
+    decisions = stream_of_decisions(4, tau=0.0)
+    profiles = {d.request_id: profile_of(d, i % 2, T0 + 100) for i, d in enumerate(decisions)}
+    mixed = ["d0", "d0", "d1", "d1"]  # each worker: one request of each expert
+    grouped = ["d0", "d1", "d0", "d1"]  # each worker: one expert
+    cost = load_catalog().get("qwen3-30b-a3b-h200")
+    effect = model_decode_effect(decisions, profiles, mixed, grouped, cost)
+    assert effect.before.expert_union_per_layer == pytest.approx(2.0)
+    assert effect.after.expert_union_per_layer == pytest.approx(1.0)
+    assert effect.after.tpot_mean_ms < effect.before.tpot_mean_ms
+    assert effect.profiled == 4
+
+
+# --- explain --------------------------------------------------------------------------------
+
+
+def test_explain_says_why_the_band_held_its_members_and_why_the_winner_won() -> None:
+    core = router({"d0": 3, "d1": 1, "d2": 0, "d3": 0}, "eldr", 0.1)
+    d = record(core, RouteRequest("q", "m", 10, counts(0)), T0)
+    text = explain(d, core.partition).render()
+    assert "Request q went to decode worker d1." in text
+    assert "only d0 scored within tau 0.1 of the best (0.894" in text
+    assert "the band widens to the 2 best-scoring workers" in text
+    assert "d1 had the least load in the band: 1 in-flight request" in text
+    assert "JSQ on in-flight requests) would have chosen" in text
+    assert "reproduced" in text
+
+
+def test_explain_names_a_tie_and_the_seed_that_broke_it() -> None:
+    core = router({"d0": 0, "d1": 0, "d2": 5, "d3": 5}, "eldr", 2.0)
+    d = record(core, RouteRequest("q", "m", 10, counts(2)), T0)
+    text = explain(d, core.partition).render()
+    assert "d0, d1 tied for the least load in the band (0 in-flight requests)" in text
+    assert f"rng seed {d.rng_seed}" in text
+
+
+def test_explain_of_a_cost_aware_decision_says_what_the_record_lacks() -> None:
+    core = router({"d0": 0, "d1": 0}, "eldr_cost")
+    d = record(core, RouteRequest("q", "m", 10, counts(0)), T0)
+    text = explain(d, core.partition).render()
+    assert "Band: none: eldr_cost weighs every live worker by predicted step cost" in text
+    assert "the per-worker costs are not shown" in text
+    assert "Replay: not checked alone" in text
+
+
+def test_explain_gives_the_fallback_reason() -> None:
+    core = router({"d0": 2, "d1": 0}, "eldr", 0.1)
+    core.set_partition(None)
+    d = record(core, RouteRequest("q", "m", 10, counts(0)), T0)
+    text = explain(d).render()
+    assert "Fallback: no_partition: the router had no partition loaded" in text
+    assert "Winner: d1 had the least load among all 2 live workers" in text

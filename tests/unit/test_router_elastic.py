@@ -1,0 +1,104 @@
+"""RouterCore with an elastic decode pool, and with worker activity for cost-aware routing."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from eldr.core.loadtable import LoadTable, Report
+from eldr.core.partition import Partition
+from eldr.core.policies import PolicySpec
+from eldr.core.router import RouterCore, RouteRequest
+from eldr.core.signature import Calibration
+
+L, E = 2, 4
+
+
+def table(*workers: tuple[str, int]) -> LoadTable:
+    t = LoadTable()
+    for w, running in workers:
+        t.on_report(
+            Report(worker_id=w, incarnation="x", seq=1, running=running, waiting=0, kv_tokens=0),
+            now_s=0.0,
+        )
+    return t
+
+
+def partition(workers: tuple[str, ...] = ("a", "b")) -> Partition:
+    cal = Calibration(L, E, "raw", None, np.ones(L, dtype=bool))
+    c = np.zeros((2, L * E), dtype=np.float32)
+    c[0, [0, 1, 4, 5]] = 0.5  # experts 0-1
+    c[1, [2, 3, 6, 7]] = 0.5  # experts 2-3
+    return Partition(
+        version=7,
+        model="m",
+        calibration=cal,
+        centroids=c,
+        owners=np.array([0, 1]),
+        workers=workers,
+    )
+
+
+def counts_for(*experts: int) -> np.ndarray:
+    x = np.zeros((L, E), dtype=np.uint32)
+    for e in experts:
+        x[:, e] = 3
+    return x
+
+
+def request(rid: str, *experts: int) -> RouteRequest:
+    return RouteRequest(rid, "m", prompt_tokens=3, counts=counts_for(*experts))
+
+
+def test_a_departed_workers_cluster_goes_to_a_live_worker() -> None:
+    # b left: its centroid must not attract anything, and nothing falls back to load-only.
+    core = RouterCore(PolicySpec("eldr", tau=0.0), table(("a", 3)), np.random.default_rng(0))
+    core.set_partition(partition())
+    out = core.decide(request("r", 2, 3), now_s=0.0)
+    assert out.worker_id == "a"
+    assert out.fallback is None
+    assert all(w != "b" for w, _ in out.scores)
+
+
+def test_a_new_worker_without_a_centroid_gets_traffic_before_any_refit() -> None:
+    core = RouterCore(
+        PolicySpec("eldr", tau=0.1), table(("a", 3), ("b", 3), ("c", 0)), np.random.default_rng(0)
+    )
+    core.set_partition(partition())
+    out = core.decide(request("r", 0, 1), now_s=0.0)
+    assert out.worker_id == "c"
+    assert "c" in out.band
+    assert out.partition_version == 7
+
+
+def test_cost_aware_routing_follows_the_activity_of_every_replicas_decisions() -> None:
+    core = RouterCore(PolicySpec("eldr_cost"), table(("a", 2), ("b", 2)), np.random.default_rng(0))
+    # Decisions seen on the stream: a decodes expert-0 requests, b expert-3 ones.
+    core.note_assignment("a", "x1", counts_for(0), 3, now_s=0.0)
+    core.note_assignment("a", "x2", counts_for(0), 3, now_s=0.0)
+    core.note_assignment("b", "y1", counts_for(3), 3, now_s=0.0)
+    core.note_assignment("b", "y2", counts_for(3), 3, now_s=0.0)
+    assert core.decide(request("r1", 3), 0.0).worker_id == "b"
+    assert core.decide(request("r2", 0), 0.0).worker_id == "a"
+    out = core.decide(request("r3", 0), 0.0)
+    assert out.policy == "eldr_cost"
+    assert out.partition_version is None  # no partition score is used by default
+    assert out.fallback is None
+
+
+def test_finished_requests_stop_weighing_on_their_worker() -> None:
+    core = RouterCore(PolicySpec("eldr_cost"), table(("a", 0), ("b", 0)), np.random.default_rng(0))
+    for i in range(3):
+        core.note_assignment("a", f"x{i}", counts_for(1), 3, now_s=0.0)
+    assert core.activity.requests_on("a") == 3
+    for i in range(3):
+        core.note_finished(f"x{i}")
+    assert core.activity.requests_on("a") == 0
+    assert len(core.activity) == 0
+
+
+def test_cost_aware_routing_without_a_signature_is_load_only_and_says_why() -> None:
+    core = RouterCore(PolicySpec("eldr_cost"), table(("a", 5), ("b", 1)), np.random.default_rng(0))
+    out = core.decide(
+        RouteRequest("r", "m", 3, counts=None, signature_error="signature_timeout"), 0.0
+    )
+    assert (out.worker_id, out.fallback) == ("b", "signature_timeout")

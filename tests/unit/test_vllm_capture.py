@@ -1,0 +1,210 @@
+"""`eldr.vllm.capture`: engine-step rows -> block summaries and PrefillDone (no vLLM)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from eldr.core.blocks import sum_summaries, summarize_blocks
+from eldr.vllm.capture import CaptureConfig, CaptureState, Geometry, StepResult
+from eldr.vllm.plugin import client_request_id
+from eldr.wire import PrefillDone
+from eldr.wire.base import MAX_BLOCKS_PER_BATCH
+
+L, E, K = 3, 8, 2
+GEOMETRY = Geometry(L, E, K)
+
+
+def state(block_size: int = 4) -> CaptureState:
+    return CaptureState(CaptureConfig("prefill-0", "m", block_size, GEOMETRY))
+
+
+def prompt(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 1000, size=n).astype(np.uint32)
+    ids = np.stack([rng.permutation(E)[:K] for _ in range(n * L)]).reshape(n, L, K)
+    return tokens, ids.astype(np.int16)
+
+
+def run_one_step(s: CaptureState, rid: str, ids: np.ndarray, start: int) -> StepResult:
+    n = ids.shape[0]
+    positions = np.arange(start, n)
+    return s.on_step([rid], [n - start], positions, ids[start:], 1.0, 100.0)
+
+
+def signature(done: PrefillDone, reference_blocks: list[np.ndarray]) -> np.ndarray:
+    """What the router assembles: the cached blocks' counts plus `computed`."""
+    assert done.computed is not None
+    cached = reference_blocks[: done.cached_prefix_blocks]
+    return sum_summaries(cached, (L, E)) + done.computed.to_dense(np.int32)
+
+
+def test_one_step_prefill_yields_every_full_block_and_the_done_event() -> None:
+    tokens, ids = prompt(11)
+    s = state()
+    s.add_request("e1", tokens, 0, 0.5, request_id="r1", reply_to="inbox.1", max_tokens=7)
+    result = run_one_step(s, "e1", ids, 0)
+    full, partial = summarize_blocks(tokens, ids, 4, E)
+    assert [b.block_hash for b in result.batches[0].blocks] == [b.block_hash for b in full]
+    for got, want in zip(result.batches[0].blocks, full, strict=True):
+        np.testing.assert_array_equal(got.counts.to_dense(np.uint16), want.counts)
+        assert got.parent_hash == want.parent_hash
+    (done,) = result.done
+    assert (done.request_id, done.reply_to, done.max_tokens) == ("r1", "inbox.1", 7)
+    assert done.block_hashes == [b.block_hash for b in full]
+    assert done.cached_prefix_blocks == 0
+    assert partial is not None
+    assert done.partial is not None
+    np.testing.assert_array_equal(done.partial.to_dense(np.uint16), partial.counts)
+    assert done.prefill_s == pytest.approx(0.5)
+    assert len(s) == 0
+
+
+def test_prefix_hit_leaves_cached_blocks_to_the_signature_cache() -> None:
+    tokens, ids = prompt(14)
+    full, partial = summarize_blocks(tokens, ids, 4, E)
+    s = state()
+    s.add_request("e1", tokens, 8, 0.0)
+    result = run_one_step(s, "e1", ids, 8)
+    assert [b.block_hash for b in result.batches[0].blocks] == [full[2].block_hash]
+    (done,) = result.done
+    assert done.cached_prefix_blocks == 2
+    whole = sum_summaries([*full, *([partial] if partial else [])], (L, E))
+    np.testing.assert_array_equal(signature(done, [b.counts for b in full]), whole)
+
+
+def test_ragged_cache_hit_counts_the_straddled_block_once() -> None:
+    tokens, ids = prompt(14)
+    full, partial = summarize_blocks(tokens, ids, 4, E)
+    s = state()
+    s.add_request("e1", tokens, 6, 0.0)  # the hit ends inside block 1
+    result = run_one_step(s, "e1", ids, 6)
+    (done,) = result.done
+    assert done.cached_prefix_blocks == 2
+    assert "eldr_capture" not in done.attrs
+    whole = sum_summaries([*full, *([partial] if partial else [])], (L, E))
+    np.testing.assert_array_equal(signature(done, [b.counts for b in full]), whole)
+
+
+def test_cache_hit_inside_the_partial_block_is_flagged_inexact() -> None:
+    tokens, ids = prompt(10)
+    s = state()
+    s.add_request("e1", tokens, 9, 0.0)
+    (done,) = run_one_step(s, "e1", ids, 9).done
+    assert done.attrs["eldr_capture"] == "inexact"
+    assert s.inexact == 1
+
+
+def test_whole_prompt_cached_is_not_tracked() -> None:
+    tokens, _ = prompt(8)
+    s = state()
+    assert s.add_request("e1", tokens, 8, 0.0) is None
+    assert len(s) == 0
+
+
+def test_rows_past_the_prompt_and_padding_are_ignored() -> None:
+    tokens, ids = prompt(8)
+    s = state()
+    s.add_request("e1", tokens, 0, 0.0)
+    padded = np.concatenate([ids, np.zeros((3, L, K), np.int16)])
+    positions = np.arange(11)  # 8 prompt positions, then decode / padding rows
+    result = s.on_step(["e1", "other"], [8, 2], positions, padded, 1.0, 1.0)
+    (done,) = result.done
+    np.testing.assert_array_equal(
+        done.computed.to_dense(np.int32) if done.computed else None,
+        sum_summaries(summarize_blocks(tokens, ids, 4, E)[0], (L, E)),
+    )
+
+
+def test_a_block_computed_twice_in_one_step_is_published_once() -> None:
+    tokens, ids = prompt(8)
+    s = state()
+    s.add_request("e1", tokens, 0, 0.0)
+    s.add_request("e2", tokens, 0, 0.0)
+    both = np.concatenate([ids, ids])
+    positions = np.concatenate([np.arange(8), np.arange(8)])
+    result = s.on_step(["e1", "e2"], [8, 8], positions, both, 1.0, 1.0)
+    assert len(result.batches[0].blocks) == 2
+    assert len(result.done) == 2
+
+
+def test_batches_split_at_the_wire_limit_with_consecutive_seq() -> None:
+    n = (MAX_BLOCKS_PER_BATCH + 3) * 2
+    tokens, ids = prompt(n)
+    s = state(block_size=2)
+    s.add_request("e1", tokens, 0, 0.0)
+    result = run_one_step(s, "e1", ids, 0)
+    assert [len(b.blocks) for b in result.batches] == [MAX_BLOCKS_PER_BATCH, 3]
+    assert [b.seq for b in result.batches] == [0, 1]
+
+
+def test_step_with_too_few_rows_is_rejected() -> None:
+    tokens, ids = prompt(8)
+    s = state()
+    s.add_request("e1", tokens, 0, 0.0)
+    with pytest.raises(ValueError, match="scheduled tokens"):
+        s.on_step(["e1"], [8], np.arange(4), ids[:4], 1.0, 1.0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=4),
+    cached_blocks=st.lists(st.integers(0, 6), min_size=4, max_size=4),
+    chunk=st.integers(1, 17),
+    seed=st.integers(0, 1000),
+)
+def test_chunked_interleaved_prefill_assembles_the_exact_signature(
+    lengths: list[int], cached_blocks: list[int], chunk: int, seed: int
+) -> None:
+    """Whatever the chunking, interleaving and prefix hits, cached blocks + computed counts
+    equal the counts of the whole prompt, and every block is summarised exactly."""
+    bs = 4
+    s = state(bs)
+    prompts = {}
+    for i, n in enumerate(lengths):
+        tokens, ids = prompt(n, seed + i)
+        hit = min(cached_blocks[i] * bs, (n - 1) // bs * bs)
+        s.add_request(f"e{i}", tokens, hit, 0.0, request_id=f"r{i}")
+        prompts[f"e{i}"] = (tokens, ids, hit)
+    progress = {rid: hit for rid, (_, _, hit) in prompts.items()}
+    rng = np.random.default_rng(seed)
+    blocks: dict[int, np.ndarray] = {}
+    done: dict[str, PrefillDone] = {}
+    while any(progress[r] < prompts[r][0].shape[0] for r in progress):
+        order = [r for r in rng.permutation(sorted(progress)) if progress[r] < len(prompts[r][0])]
+        rows, positions, counts = [], [], []
+        for r in order:
+            lo = progress[r]
+            hi = min(lo + chunk, len(prompts[r][0]))
+            rows.append(prompts[r][1][lo:hi])
+            positions.append(np.arange(lo, hi))
+            counts.append(hi - lo)
+            progress[r] = hi
+        result = s.on_step(order, counts, np.concatenate(positions), np.concatenate(rows), 1, 1)
+        for batch in result.batches:
+            for b in batch.blocks:
+                blocks[b.block_hash] = b.counts.to_dense(np.uint16)
+        done.update({d.request_id: d for d in result.done})
+    assert len(done) == len(lengths)
+    for i, (tokens, ids, _) in enumerate(prompts.values()):
+        full, partial = summarize_blocks(tokens, ids, bs, E)
+        event = done[f"r{i}"]
+        for b in full[event.cached_prefix_blocks :]:
+            np.testing.assert_array_equal(blocks[b.block_hash], b.counts)
+        whole = sum_summaries([*full, *([partial] if partial else [])], (L, E))
+        np.testing.assert_array_equal(signature(event, [b.counts for b in full]), whole)
+
+
+@pytest.mark.parametrize(
+    ("engine_id", "client_id"),
+    [
+        ("cmpl-abc-0-1a2b3c4d", "abc"),
+        ("chatcmpl-my-req-1a2b3c4d", "my-req"),
+        ("cmpl-eldr-12ab-3-deadbeef", "eldr-12ab"),
+        ("plain", "plain"),
+    ],
+)
+def test_client_request_id_is_recovered_from_vllm_ids(engine_id: str, client_id: str) -> None:
+    assert client_request_id(engine_id) == client_id

@@ -1,0 +1,198 @@
+"""`eldr.vllm.pd` (the prefill -> decode handoff) and `eldr.vllm.load` (metrics, admissions)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from eldr.vllm.load import AdmissionTracker, MetricsError, VllmLoad, parse_metrics
+from eldr.vllm.pd import (
+    PREFILL_KV_PARAMS,
+    XARG_MAX_TOKENS,
+    XARG_REPLY_TO,
+    XARG_REQUEST_ID,
+    BadRequestError,
+    LeastOutstanding,
+    check_body,
+    decode_body,
+    decode_candidates,
+    openai_error,
+    parse_instances,
+    prefill_body,
+    request_id_from,
+)
+from eldr.wire import Decision
+
+
+def decision(worker: str, band: list[str], scores: list[tuple[str, float]]) -> Decision:
+    return Decision(
+        request_id="r",
+        ts_s=time.time(),
+        router_id="router",
+        model="m",
+        worker_id=worker,
+        policy="eldr",
+        params={},
+        partition_version=1,
+        fallback=None,
+        scores=scores,
+        band=band,
+        loads=[],
+        signature=None,
+        missing_blocks=0,
+        decide_s=0.001,
+    )
+
+
+def test_prefill_body_asks_for_one_token_and_remote_decode() -> None:
+    body = {"prompt": "hi", "max_tokens": 50, "stream": True, "stream_options": {"x": 1}}
+    out = prefill_body(body, "rid-1", "_INBOX.g")
+    assert out["max_tokens"] == 1
+    assert out["stream"] is False
+    assert "stream_options" not in out
+    assert out["kv_transfer_params"] == dict(PREFILL_KV_PARAMS)
+    assert out["vllm_xargs"] == {
+        XARG_REQUEST_ID: "rid-1",
+        XARG_REPLY_TO: "_INBOX.g",
+        XARG_MAX_TOKENS: 50,
+    }
+    assert body["max_tokens"] == 50  # the client's body is untouched
+
+
+def test_prefill_body_keeps_client_xargs_and_caps_max_completion_tokens() -> None:
+    body = {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 9}
+    out = prefill_body({**body, "vllm_xargs": {"mine": 3}}, "r", "i")
+    assert out["max_completion_tokens"] == 1
+    assert out["vllm_xargs"]["mine"] == 3
+    assert out["vllm_xargs"][XARG_MAX_TOKENS] == 9
+
+
+def test_decode_body_carries_the_prefill_kv_handle() -> None:
+    out = decode_body({"prompt": "p", "max_tokens": 5}, {"remote_engine_id": "e"})
+    assert out == {"prompt": "p", "max_tokens": 5, "kv_transfer_params": {"remote_engine_id": "e"}}
+
+
+@pytest.mark.parametrize(
+    ("body", "chat", "param"),
+    [
+        ([], False, None),
+        ({}, False, "prompt"),
+        ({"messages": []}, True, "messages"),
+        ({"prompt": "x", "n": 2}, False, "n"),
+        ({"prompt": "x", "stream": "yes"}, False, "stream"),
+        ({"prompt": "x", "kv_transfer_params": {}}, False, "kv_transfer_params"),
+    ],
+)
+def test_invalid_bodies_are_refused_with_the_parameter(
+    body: object, chat: bool, param: str
+) -> None:
+    with pytest.raises(BadRequestError) as info:
+        check_body(body, chat=chat)
+    assert info.value.param == param
+
+
+def test_request_id_is_the_clients_or_a_fresh_one() -> None:
+    assert request_id_from("abc-1") == "abc-1"
+    assert request_id_from(None).startswith("eldr-")
+    with pytest.raises(BadRequestError):
+        request_id_from("has space")
+
+
+def test_error_body_is_openai_shaped() -> None:
+    body = openai_error("bad", 400, param="n")
+    assert body == {
+        "error": {"message": "bad", "type": "invalid_request_error", "param": "n", "code": None}
+    }
+    assert openai_error("down", 503)["error"]["type"] == "server_error"
+
+
+def test_candidates_follow_decision_then_band_then_scores_then_the_rest() -> None:
+    d = decision("d2", ["d2", "d0"], [("d2", 0.9), ("d0", 0.8), ("d9", 0.7), ("d1", 0.5)])
+    assert decode_candidates(d, ["d0", "d1", "d2", "d3"]) == ["d2", "d0", "d1", "d3"]
+    assert decode_candidates(None, ["d0", "d1"]) == ["d0", "d1"]
+
+
+def test_least_outstanding_round_robins_ties_and_skips_excluded() -> None:
+    picker = LeastOutstanding(["a", "b", "c"])
+    assert [picker.pick() for _ in range(3)] == ["a", "b", "c"]
+    picker.acquire("a")
+    picker.acquire("b")
+    assert picker.pick() == "c"
+    assert picker.pick(exclude=["c"]) in ("a", "b")
+    picker.release("a")
+    picker.release("a")
+    assert picker.outstanding["a"] == 0
+
+
+def test_parse_instances() -> None:
+    assert parse_instances("p0=http://h:1, p1=http://h:2/", "x") == {
+        "p0": "http://h:1",
+        "p1": "http://h:2",
+    }
+    for bad in ("", "p0", "p 0=http://h:1", "p0=ftp://h", "p0=http://h:1,p0=http://h:2"):
+        with pytest.raises(ValueError, match="x"):
+            parse_instances(bad, "x")
+
+
+METRICS = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="tiny"} 3.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="tiny"} 2.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.25
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="32",engine="0",num_gpu_blocks="100"} 1.0
+# TYPE vllm:request_success counter
+vllm:request_success_total{engine="0",finished_reason="stop",model_name="tiny"} 4.0
+vllm:request_success_total{engine="0",finished_reason="length",model_name="tiny"} 6.0
+# TYPE process_start_time_seconds gauge
+process_start_time_seconds 1.7e9
+"""
+
+
+def test_parse_metrics_reads_vllm_load() -> None:
+    load = parse_metrics(METRICS)
+    assert (load.running, load.waiting, load.finished_total) == (3, 2, 10)
+    assert load.kv_capacity_tokens == 3200
+    assert load.kv_tokens == 800
+    assert load.process_start_s == 1.7e9
+
+
+def test_parse_metrics_refuses_a_page_without_vllm_gauges() -> None:
+    with pytest.raises(MetricsError, match="num_requests_running"):
+        parse_metrics("# TYPE x gauge\nx 1\n")
+
+
+def load(seen: int) -> VllmLoad:
+    return VllmLoad(seen, 0, 0.0, 0, 0, None)
+
+
+def test_admissions_follow_arrivals_oldest_decision_first() -> None:
+    tracker = AdmissionTracker()
+    assert tracker.admitted(load(5), 0.0) == []  # baseline
+    tracker.assigned("r1", 0.0)
+    tracker.assigned("r2", 0.0)
+    tracker.assigned("r3", 0.0)
+    assert tracker.admitted(load(7), 0.1) == ["r1", "r2"]
+    assert tracker.admitted(load(7), 0.2) == []
+    assert tracker.admitted(load(8), 0.3) == ["r3"]
+
+
+def test_an_arrival_seen_before_its_decision_is_credited() -> None:
+    tracker = AdmissionTracker(credit_ttl_s=2.0)
+    tracker.admitted(load(0), 0.0)
+    assert tracker.admitted(load(1), 0.1) == []
+    tracker.assigned("late", 0.5)
+    assert tracker.admitted(load(1), 0.6) == ["late"]
+
+
+def test_undelivered_assignments_expire() -> None:
+    tracker = AdmissionTracker(pending_ttl_s=1.0, credit_ttl_s=0.1)
+    tracker.admitted(load(0), 0.0)
+    tracker.assigned("lost", 0.0)
+    assert tracker.admitted(load(0), 5.0) == []
+    assert len(tracker) == 0
+    assert tracker.admitted(load(1), 5.1) == []
