@@ -56,6 +56,9 @@ class DemoConfig:
     """Trace directory (`<label>/<n>.json`); None = a synthetic workload."""
     num_experts: int | None = None
     synthetic_requests: int = 600
+    synthetic_spec: SyntheticSpec | None = None
+    """The synthetic workload; None = Llama-4-Maverick's routing geometry with the
+    generator's default topic structure."""
     decoders: int = 8
     calibration_requests: int = 600
     evaluation_requests: int = 1500
@@ -64,7 +67,9 @@ class DemoConfig:
     rate_per_s: float | None = None
     """Explicit arrival rate; overrides target_batch."""
     time_scale: float = 1.0
-    policies: tuple[str, ...] = ("round_robin", "eldr")
+    policies: tuple[str, ...] = ("round_robin", "eldr", "eldr_cost")
+    """Compared on the same requests: the first is the baseline; `eldr` is the paper's
+    locality band, `eldr_cost` the router's default (docs/ONLINE.md)."""
     tau: float = 0.1
     seed: int = 0
     profile: str = DEFAULT_PROFILE_FOR_TRACES
@@ -122,7 +127,9 @@ def load_input(config: DemoConfig) -> TraceSet:
         return load_trace_dir(config.traces, num_experts=config.num_experts)
     # Llama-4-Maverick's routing geometry (24 MoE layers x 128 experts, top-1), the model of
     # the default cost profile the simulated workers use.
-    spec = SyntheticSpec(num_topics=6, num_moe_layers=24, num_experts=128, top_k=1)
+    spec = config.synthetic_spec or SyntheticSpec(
+        num_topics=6, num_moe_layers=24, num_experts=128, top_k=1
+    )
     return generate(spec, config.synthetic_requests, np.random.default_rng(config.seed))
 
 
