@@ -44,18 +44,21 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from eldr.bus import BusError, Delivery, build_topology
 from eldr.bus.topology import DECISIONS
 from eldr.runtime import ServiceContext, service_main
-from eldr.vllm.capture import CaptureConfig, Geometry
+from eldr.vllm.capture import Geometry
+from eldr.vllm.gateway import DecisionWaiters, InFlight, response_sources
 from eldr.vllm.pd import (
     REQUEST_ID_HEADER,
     BadRequestError,
     LeastOutstanding,
     check_body,
     decode_body,
-    decode_candidates,
+    decode_order,
     max_tokens_of,
     openai_error,
     prefill_body,
     request_id_from,
+    request_outcome,
+    response_headers,
 )
 from eldr.vllm.sources import RETURN_FIELDS, ResponseSource, SourceError
 from eldr.wire import Decision
@@ -65,9 +68,7 @@ from .settings import GatewaySettings
 log = logging.getLogger(__name__)
 
 NAME = "gateway"
-DECODE_WORKER_HEADER = "X-Eldr-Decode-Worker"
 LATENCY_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
-_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding"}
 
 
 class UpstreamError(Exception):
@@ -130,42 +131,23 @@ class Gateway:
         self.decode_picker = LeastOutstanding(list(self.decoders))
         self.healthy: dict[tuple[str, str], bool] = {}
         self.inbox = f"_INBOX.eldr-gateway.{uuid.uuid4().hex}"
-        self.waiters: dict[str, asyncio.Future[Decision]] = {}
+        self.decisions = DecisionWaiters()
         self.decisions_stream = build_topology(s.namespace, s).stream_name(DECISIONS)
-        self.accepting = True
-        self.in_flight = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self.requests = InFlight()
         self.response_sources: dict[str, ResponseSource] = {}
         """Per prefill instance, when the gateway publishes the prefill's routing itself."""
 
     # --- decisions ------------------------------------------------------------------------
 
     async def on_decision(self, decision: Decision, _: Delivery) -> None:
-        waiter = self.waiters.get(decision.request_id)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(decision)
+        self.decisions.deliver(decision)
 
-    async def await_decision(self, request_id: str, waiter: asyncio.Future[Decision]) -> Decision:
-        """The decision for `request_id`: from the inbox, else from the stream; raises
-        LookupError when there is none."""
-        with contextlib.suppress(TimeoutError):
-            decision = await asyncio.wait_for(
-                asyncio.shield(waiter), timeout=self.settings.gateway_decision_timeout_s
-            )
-            self.metrics.decisions.labels("inbox").inc()
-            return decision
-        try:
-            late = await self.ctx.bus.get_last(
-                self.decisions_stream, self.ctx.bus.subjects.decision(request_id), Decision
-            )
-        except BusError as exc:
-            log.warning("decision of %s: stream read failed: %s", request_id, exc)
-            late = None
-        if late is None:
-            raise LookupError(f"no decision for {request_id}")
-        self.metrics.decisions.labels("stream").inc()
-        return late
+    async def read_decision(self, request_id: str) -> Decision | None:
+        """The decision recorded on the DECISIONS stream (when the inbox reply is late)."""
+        bus = self.ctx.bus
+        return await bus.get_last(
+            self.decisions_stream, bus.subjects.decision(request_id), Decision
+        )
 
     # --- upstream calls -------------------------------------------------------------------
 
@@ -251,9 +233,7 @@ class Gateway:
             if resp.status >= 500:
                 text = (await resp.read())[:500].decode("utf-8", "replace")
                 raise UpstreamError(f"{name}: HTTP {resp.status}: {text}")
-            headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS}
-            headers[REQUEST_ID_HEADER] = request_id
-            headers[DECODE_WORKER_HEADER] = name
+            headers = response_headers(resp.headers.items(), request_id, name)
             if not body.get("stream") or resp.status != 200:
                 payload = await resp.read()
                 return web.Response(body=payload, status=resp.status, headers=headers)
@@ -284,23 +264,17 @@ class Gateway:
 
     async def _serve(self, request: web.Request, path: str, *, chat: bool) -> web.StreamResponse:
         endpoint = "chat" if chat else "completions"
-        if not self.accepting:
+        if not self.requests.enter():
             self.metrics.requests.labels(endpoint, "unavailable").inc()
             return _error(503, "the gateway is shutting down")
-        self.in_flight += 1
-        self.metrics.in_flight.set(self.in_flight)
-        self._idle.clear()
+        self.metrics.in_flight.set(self.requests.count)
         try:
             response = await self._serve_one(request, path, chat=chat)
-            status = response.status
-            outcome = "ok" if status < 400 else "client_error" if status < 500 else "upstream_error"
-            self.metrics.requests.labels(endpoint, outcome).inc()
+            self.metrics.requests.labels(endpoint, request_outcome(response.status)).inc()
             return response
         finally:
-            self.in_flight -= 1
-            self.metrics.in_flight.set(self.in_flight)
-            if self.in_flight == 0:
-                self._idle.set()
+            self.requests.leave()
+            self.metrics.in_flight.set(self.requests.count)
 
     async def _serve_one(
         self, request: web.Request, path: str, *, chat: bool
@@ -314,10 +288,7 @@ class Gateway:
             body = check_body(raw, chat=chat)
         except BadRequestError as exc:
             return _error(400, str(exc), param=exc.param)
-        loop = asyncio.get_running_loop()
-        waiter: asyncio.Future[Decision] = loop.create_future()
-        self.waiters[request_id] = waiter
-        try:
+        with self.decisions.expecting(request_id) as waiter:
             pre = prefill_body(body, request_id, self.inbox)
             if self.response_sources:
                 pre.update(RETURN_FIELDS)
@@ -330,8 +301,15 @@ class Gateway:
             answered = time.perf_counter()
             if self.response_sources:
                 await self._publish_from_response(prefill_response, prefill_name, request_id, body)
+            decision: Decision | None
             try:
-                decision: Decision | None = await self.await_decision(request_id, waiter)
+                decision, source = await self.decisions.wait(
+                    request_id,
+                    waiter,
+                    timeout_s=self.settings.gateway_decision_timeout_s,
+                    read_late=self.read_decision,
+                )
+                self.metrics.decisions.labels(source).inc()
             except LookupError:
                 decision = None
                 self.metrics.decisions.labels("fallback").inc()
@@ -341,14 +319,7 @@ class Gateway:
                     self.settings.gateway_decision_timeout_s,
                 )
             self.metrics.decision_wait.observe(time.perf_counter() - answered)
-        finally:
-            self.waiters.pop(request_id, None)
-        candidates = decode_candidates(decision, list(self.decoders))
-        if decision is None:
-            best = self.decode_picker.pick()
-            if best is not None:
-                candidates.remove(best)
-                candidates.insert(0, best)
+        candidates = decode_order(decision, self.decode_picker)
         try:
             return await self.decode(
                 request,
@@ -438,9 +409,7 @@ class Gateway:
         )
 
     async def drain(self) -> None:
-        self.accepting = False
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), timeout=self.settings.gateway_drain_grace_s)
+        await self.requests.drain(self.settings.gateway_drain_grace_s)
 
 
 class ClientAnswer(Exception):  # noqa: N818 - a control-flow signal, not an error
@@ -529,12 +498,9 @@ def _response_sources(s: GatewaySettings, prefills: list[str]) -> dict[str, Resp
     if not s.gateway_model_key:
         raise ValueError("the routed_experts source needs ELDR_GATEWAY_MODEL_KEY")
     geometry = Geometry(s.gateway_num_moe_layers, s.gateway_num_experts, s.gateway_top_k)
-    return {
-        name: ResponseSource(
-            CaptureConfig(name, s.gateway_model_key, s.gateway_block_size, geometry)
-        )
-        for name in prefills
-    }
+    return response_sources(
+        prefills, model_key=s.gateway_model_key, block_size=s.gateway_block_size, geometry=geometry
+    )
 
 
 def main() -> int:

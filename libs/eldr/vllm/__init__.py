@@ -7,6 +7,9 @@
 - `plugin`: the `vllm.general_plugins` entry point that hooks every MoE router of the model
   in vLLM's worker process;
 - `sources`: the other source of the same records, vLLM's built-in routed-experts output;
+- `pd`: the disaggregated prefill -> decode handoff as pure functions (request bodies,
+  decode candidates, headers), and `gateway`: the gateway's decision waiting and in-flight
+  bookkeeping (the HTTP and bus wiring is `eldr_services.gateway`);
 - `tinymodel`: a tiny random-weight Qwen3-MoE plus a locally trained tokenizer, for tests
   and the runnable example.
 

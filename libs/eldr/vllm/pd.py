@@ -29,8 +29,12 @@ XARG_REQUEST_ID = "eldr_request_id"
 XARG_REPLY_TO = "eldr_reply_to"
 XARG_MAX_TOKENS = "eldr_max_tokens"
 REQUEST_ID_HEADER = "X-Request-Id"
+DECODE_WORKER_HEADER = "X-Eldr-Decode-Worker"
+"""Response header naming the decode instance that answered."""
 MAX_REQUEST_ID_LEN = 200
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,200}$")
+_HOP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection", "content-encoding"})
+"""Headers of the decode's response that describe that hop, not the answer: not forwarded."""
 
 PREFILL_KV_PARAMS: Mapping[str, Any] = {
     "do_remote_decode": True,
@@ -158,6 +162,22 @@ def decode_candidates(decision: Decision | None, decoders: Sequence[str]) -> lis
     return order
 
 
+def response_headers(
+    upstream: Iterable[tuple[str, str]], request_id: str, decode_worker: str
+) -> dict[str, str]:
+    """Headers for the client's response: the decode instance's, less the hop-by-hop ones,
+    plus the request id and the decode instance that answered."""
+    headers = {k: v for k, v in upstream if k.lower() not in _HOP_HEADERS}
+    headers[REQUEST_ID_HEADER] = request_id
+    headers[DECODE_WORKER_HEADER] = decode_worker
+    return headers
+
+
+def request_outcome(status: int) -> str:
+    """The `outcome` label of a client request answered with HTTP `status`."""
+    return "ok" if status < 400 else "client_error" if status < 500 else "upstream_error"
+
+
 @dataclass
 class LeastOutstanding:
     """Pick the instance with the fewest requests in flight; ties go round-robin."""
@@ -191,6 +211,18 @@ class LeastOutstanding:
 
     def release(self, name: str) -> None:
         self.outstanding[name] = max(0, self.outstanding[name] - 1)
+
+
+def decode_order(decision: Decision | None, picker: LeastOutstanding) -> list[str]:
+    """Decode instances to try (`decode_candidates` over the picker's instances); without
+    a decision, the one with the fewest requests in flight goes first."""
+    candidates = decode_candidates(decision, list(picker.names))
+    if decision is None:
+        best = picker.pick()
+        if best is not None:
+            candidates.remove(best)
+            candidates.insert(0, best)
+    return candidates
 
 
 def parse_instances(spec: str, what: str) -> dict[str, str]:
