@@ -7,7 +7,9 @@ NATS, hnswlib/exact scoring, band, commit), then, per rate, replays requests as 
 stream: block summaries and a PrefillDone per request, each decision awaited on a reply
 inbox. Latency is measured in the replaying process from just before the PrefillDone
 publish to the decision's arrival (monotonic clock). Requests are not sent on to the decode
-workers (routing is what is measured); the workers only report load.
+workers (routing is what is measured); the workers only report load. The router's own
+share (`Decision.decide_s`: PrefillDone taken -> decision built, signature fetch included)
+is reported beside it.
 
 Everything shares this machine's cores: the numbers include the replayer's own CPU use.
 
@@ -40,6 +42,7 @@ import numpy as np
 from eldr.bus import Bus, Delivery, stream_name
 from eldr.bus.topology import DECISIONS
 from eldr.core.partition import fit_partition
+from eldr.core.policies import DEFAULT_POLICY, POLICY_NAMES
 from eldr.core.synthetic import SyntheticSpec, generate
 from eldr.core.trace import TraceSet, counts_matrix
 from eldr.dev.replayer import ReplayConfig, TraceReplayer
@@ -64,6 +67,8 @@ class PipelineConfig:
     namespace: str | None = None
     state_dir: Path = Path(".eldr")
     rss_every_s: float = 1.0
+    policy: str = DEFAULT_POLICY
+    """The routers' policy (`ELDR_POLICY`)."""
     """Resident-memory sampling period of every process (0 = off)."""
 
 
@@ -238,6 +243,13 @@ async def drive(
             latencies = np.array(
                 [r.decision_latency_s for r in replay.records if r.decision_latency_s is not None]
             )
+            in_router = np.array(
+                [
+                    r.router_decide_s
+                    for r in replay.records
+                    if r.decision_latency_s is not None and r.router_decide_s is not None
+                ]
+            )
             sent_ids = {r.request_id for r in replay.records if r.sent}
             decisions, distinct = await count_decisions(bus, since_s, sent_ids)
             row = {
@@ -250,6 +262,8 @@ async def drive(
                 "latency_p50_ms": round(float(np.percentile(latencies, 50)) * 1e3, 3),
                 "latency_p99_ms": round(float(np.percentile(latencies, 99)) * 1e3, 3),
                 "latency_max_ms": round(float(latencies.max()) * 1e3, 3),
+                "router_p50_ms": round(float(np.percentile(in_router, 50)) * 1e3, 3),
+                "router_p99_ms": round(float(np.percentile(in_router, 99)) * 1e3, 3),
                 "fallbacks": dict(summary.fallbacks),
                 "max_lag_ms": round(summary.max_lag_s * 1e3, 1),
                 "stream_decisions": decisions,
@@ -265,6 +279,7 @@ async def drive(
         "input": {
             "synthetic": True,
             "routers": config.routers,
+            "policy": config.policy,
             "signature_replicas": config.signatures,
             "decoders": config.decoders,
             "duration_s": config.duration_s,
@@ -285,7 +300,14 @@ def run(config: PipelineConfig) -> dict[str, Any]:
             s if s.name != "router" else type(s)(s.name, s.replicas, ("signature", "simdecode"))
             for s in services
         ),
-        env={"ELDR_POLICY": "eldr", "OPENBLAS_NUM_THREADS": "1", "ELDR_PENDING_TTL_S": "2"},
+        env={
+            "ELDR_POLICY": config.policy,
+            "OPENBLAS_NUM_THREADS": "1",
+            "ELDR_PENDING_TTL_S": "2",
+            # Requests are not sent on, so no decode profile ends them: the routers forget
+            # them after 2 s (pending load; cost-aware routing's per-worker activity).
+            "ELDR_ACTIVITY_TTL_S": "2",
+        },
         log_level="WARNING",
         echo=False,
         log_dir=config.state_dir / "logs",
@@ -309,18 +331,24 @@ def run(config: PipelineConfig) -> dict[str, Any]:
 def format_table(result: dict[str, Any]) -> str:
     inp = result["input"]
     lines = [
-        f"pipeline: {inp['routers']} router(s), {inp['signature_replicas']} signature "
+        f"pipeline: {inp['routers']} router(s) (policy {inp['policy']}), "
+        f"{inp['signature_replicas']} signature "
         f"replica(s), {inp['decoders']} simulated decode workers, {inp['duration_s']} s per "
         f"rate, SYNTHETIC requests ({inp['geometry']})",
         f"{'rate/s':>7} {'achieved':>8} {'sent':>6} {'decided':>7} {'lost':>4} {'P50 ms':>7} "
-        f"{'P99 ms':>7} {'max ms':>7}",
+        f"{'P99 ms':>7} {'max ms':>7} {'router P50':>10} {'router P99':>10}",
     ]
     for r in result["results"]:
         lines.append(
             f"{r['rate']:>7.0f} {r['achieved_rate']:>8.1f} {r['sent']:>6} {r['decided']:>7} "
             f"{r['lost']:>4} {r['latency_p50_ms']:>7.2f} {r['latency_p99_ms']:>7.2f} "
-            f"{r['latency_max_ms']:>7.1f}"
+            f"{r['latency_max_ms']:>7.1f} {r['router_p50_ms']:>10.2f} {r['router_p99_ms']:>10.2f}"
         )
+    lines.append(
+        "P50/P99/max: PrefillDone publish -> decision received, in the replayer; router P50/P99: "
+        "the router's own part (PrefillDone taken -> decision built, signature fetch "
+        "included; Decision.decide_s)"
+    )
     for r in result["results"]:
         lines.append(
             f"rate {r['rate']:.0f}: DECISIONS stream holds {r['stream_decisions']} decisions for "
@@ -354,6 +382,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--decoders", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--policy",
+        choices=[n for n in POLICY_NAMES if n != "oracle"],
+        default=DEFAULT_POLICY,
+        help=f"routing policy (default: the router's default, {DEFAULT_POLICY})",
+    )
+    p.add_argument(
         "--rss-every", type=float, default=1.0, help="RSS sampling period, seconds (0 = off)"
     )
     p.add_argument("--json", type=Path)
@@ -370,6 +404,7 @@ def _main(args: argparse.Namespace) -> int:
             decoders=args.decoders,
             seed=args.seed,
             rss_every_s=args.rss_every,
+            policy=args.policy,
         )
     )
     print(format_table(result))

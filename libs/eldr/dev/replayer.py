@@ -113,6 +113,9 @@ class RequestRecord:
     """Its PrefillDone was stored by the PREFILL stream."""
     decision_latency_s: float | None = None
     """PrefillDone publish -> Decision on the inbox; None if the decision came otherwise."""
+    router_decide_s: float | None = None
+    """The router's own part of it (`Decision.decide_s`: PrefillDone taken -> decision
+    built, signature fetch included; its publish not)."""
     worker_id: str | None = None
     policy: str | None = None
     fallback: str | None = None
@@ -374,6 +377,7 @@ class TraceReplayer:
                 return
             record.worker_id = decision.worker_id
             record.policy = decision.policy
+            record.router_decide_s = decision.decide_s
             record.fallback = decision.fallback
             if self.config.send_jobs:
                 record.job_accepted = await self._send_job(record, prepared, decision)

@@ -241,7 +241,8 @@ class Decision(Message, frozen=True, tag="decision"):
     missing_blocks: Count
     """Full blocks whose summaries the signature service did not have."""
     decide_s: DurationS
-    """Time from taking the PrefillDone to publishing this decision, seconds."""
+    """Time from taking the PrefillDone to building this decision (its publish not
+    included), seconds."""
     rng_seed: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)] | None = None
     """Seed of the decision's own generator (`eldr.core.router.DecisionRng`), which drew
     every tie-break and random choice of this decision: a replay re-creates them from it.
