@@ -37,6 +37,7 @@ from eldr.wire import (
     SparseCounts,
     WireError,
 )
+from support import messages
 
 pytestmark = pytest.mark.integration
 
@@ -60,23 +61,7 @@ def prefill_done(request_id: str) -> PrefillDone:
 
 
 def decision(request_id: str, worker_id: str) -> Decision:
-    return Decision(
-        request_id=request_id,
-        ts_s=2.0,
-        router_id="r0",
-        model="m",
-        worker_id=worker_id,
-        policy="rr",
-        params={},
-        partition_version=None,
-        fallback=None,
-        scores=[],
-        band=[],
-        loads=[],
-        signature=None,
-        missing_blocks=0,
-        decide_s=0.001,
-    )
+    return messages.decision(request_id, worker_id, ts_s=2.0, policy="rr")
 
 
 def block_batch(seq: int) -> BlockSummaryBatch:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -22,6 +21,7 @@ from eldr.settings import BusSettings
 from eldr.wire import Decision, LoadReport
 from eldr_services.decodeadapter.service import setup
 from eldr_services.decodeadapter.settings import DecodeAdapterSettings
+from support import messages
 
 pytestmark = pytest.mark.integration
 
@@ -84,23 +84,7 @@ async def adapter(settings: DecodeAdapterSettings) -> AsyncIterator[None]:
 
 
 def decision(request_id: str, worker: str) -> Decision:
-    return Decision(
-        request_id=request_id,
-        ts_s=time.time(),
-        router_id="r",
-        model="m",
-        worker_id=worker,
-        policy="jsq",
-        params={},
-        partition_version=None,
-        fallback=None,
-        scores=[],
-        band=[],
-        loads=[],
-        signature=None,
-        missing_blocks=0,
-        decide_s=0.0,
-    )
+    return messages.decision(request_id, worker)
 
 
 async def next_report(reports: asyncio.Queue[LoadReport], where: Any) -> LoadReport:

@@ -25,7 +25,6 @@ from eldr.runtime import run_service
 from eldr.settings import BusSettings, RetentionSettings
 from eldr.wire import (
     BlockSummaryBatch,
-    Decision,
     DecodeJob,
     DecodeJobAck,
     LoadReport,
@@ -34,6 +33,7 @@ from eldr.wire import (
 )
 from eldr_services.simdecode.service import setup as simdecode_setup
 from eldr_services.simdecode.settings import SimDecodeSettings
+from support import messages
 
 pytestmark = pytest.mark.integration
 
@@ -99,22 +99,12 @@ class StandInRouter:
         async with self._arrived:
             self.events.append(event)
             self._arrived.notify_all()
-        decision = Decision(
-            request_id=event.request_id,
-            ts_s=time.time(),
+        decision = messages.decision(
+            event.request_id,
+            next(self._next),
             router_id="stand-in",
             model=event.model,
-            worker_id=next(self._next),
             policy="round_robin",
-            params={},
-            partition_version=None,
-            fallback=None,
-            scores=[],
-            band=[],
-            loads=[],
-            signature=None,
-            missing_blocks=0,
-            decide_s=0.0,
         )
         await self.bus.js_publish(
             self.bus.subjects.decision(event.request_id), decision, expected_last_subject_seq=0

@@ -21,6 +21,7 @@ from eldr.settings import BusSettings, RetentionSettings
 from eldr.wire import Decision, DecodeProfile, LoadReport, PrefillDone, SparseCounts
 from eldr_services.router.service import setup
 from eldr_services.router.settings import RouterSettings
+from support import messages
 
 pytestmark = pytest.mark.integration
 
@@ -91,22 +92,12 @@ async def reporting(bus: Bus, admitted: dict[str, list[str]]) -> AsyncIterator[N
 async def other_replica_decides(bus: Bus, rid: str, worker: str, experts: tuple[int, ...]) -> None:
     await bus.js_publish(
         bus.subjects.decision(rid),
-        Decision(
-            request_id=rid,
-            ts_s=time.time(),
+        messages.decision(
+            rid,
+            worker,
+            counts=counts(*experts),
             router_id="elsewhere",
-            model="m",
-            worker_id=worker,
             policy="eldr_cost",
-            params={},
-            partition_version=None,
-            fallback=None,
-            scores=[],
-            band=[],
-            loads=[],
-            signature=SparseCounts.from_dense(counts(*experts)),
-            missing_blocks=0,
-            decide_s=0.001,
             prompt_tokens=6,
         ),
     )

@@ -42,6 +42,7 @@ from eldr.wire import (
 )
 from eldr_services.router.service import setup as router_setup
 from eldr_services.router.settings import RouterSettings
+from support import messages
 
 pytestmark = pytest.mark.integration
 
@@ -186,23 +187,7 @@ async def test_services_work_with_mutual_tls_passwords_and_nkeys(secure: SecureN
 
 
 def _decision(rid: str) -> Decision:
-    return Decision(
-        request_id=rid,
-        ts_s=time.time(),
-        router_id="forged",
-        model="m",
-        worker_id="dw0",
-        policy="jsq",
-        params={},
-        partition_version=None,
-        fallback=None,
-        scores=[],
-        band=[],
-        loads=[],
-        signature=None,
-        missing_blocks=0,
-        decide_s=0.0,
-    )
+    return messages.decision(rid, "dw0", router_id="forged")
 
 
 @pytest.mark.parametrize("name", ["nobody", "dw0", "pw0"])

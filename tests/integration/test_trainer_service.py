@@ -33,7 +33,6 @@ from eldr.settings import BusSettings, RetentionSettings
 from eldr.store import migrate, repo
 from eldr.store.models import PartitionStatus
 from eldr.wire import (
-    Decision,
     DecodeProfile,
     LoadReport,
     PartitionAnnouncement,
@@ -44,6 +43,7 @@ from eldr.wire import (
 )
 from eldr_services.trainer.service import setup
 from eldr_services.trainer.settings import TrainerSettings
+from support import messages
 
 pytestmark = pytest.mark.integration
 
@@ -105,23 +105,7 @@ async def publish_traffic(bus: Bus, model: str, n: int, *, start: int = 0, seed:
         prefill = expert_counts(trace.prefill, SPEC.num_experts).astype(np.uint32)
         await bus.js_publish(
             bus.subjects.decision(rid),
-            Decision(
-                request_id=rid,
-                ts_s=time.time(),
-                router_id="r0",
-                model=model,
-                worker_id=WORKERS[i % len(WORKERS)],
-                policy="jsq",
-                params={},
-                partition_version=None,
-                fallback=None,
-                scores=[],
-                band=[],
-                loads=[],
-                signature=SparseCounts.from_dense(prefill),
-                missing_blocks=0,
-                decide_s=0.001,
-            ),
+            messages.decision(rid, WORKERS[i % len(WORKERS)], counts=prefill, model=model),
         )
         if i % 2 == 0:
             decode = expert_counts(trace.decode, SPEC.num_experts).astype(np.uint32)

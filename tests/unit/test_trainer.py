@@ -33,6 +33,7 @@ from eldr.wire import (
     encode,
 )
 from eldr_services.trainer.settings import TrainerSettings
+from support import messages
 
 M = TypeVar("M", bound=Message)
 
@@ -198,23 +199,7 @@ def rig(db_url: str) -> Iterator[Rig]:
 def decision(
     rid: str, counts: np.ndarray | None, *, model: str = "m", worker: str = "dw0"
 ) -> Decision:
-    return Decision(
-        request_id=rid,
-        ts_s=0.0,
-        router_id="r0",
-        model=model,
-        worker_id=worker,
-        policy="jsq",
-        params={},
-        partition_version=None,
-        fallback=None,
-        scores=[],
-        band=[],
-        loads=[],
-        signature=None if counts is None else SparseCounts.from_dense(counts),
-        missing_blocks=0,
-        decide_s=0.001,
-    )
+    return messages.decision(rid, worker, counts=counts, ts_s=0.0, model=model)
 
 
 def load(worker: str, running: int = 0, waiting: int = 0) -> LoadReport:

@@ -19,26 +19,11 @@ from eldr.vllm.pd import (
     response_headers,
 )
 from eldr.wire import Decision
+from support import messages
 
 
 def decision(request_id: str = "r", worker: str = "d1") -> Decision:
-    return Decision(
-        request_id=request_id,
-        ts_s=0.0,
-        router_id="router",
-        model="m",
-        worker_id=worker,
-        policy="eldr",
-        params={},
-        partition_version=1,
-        fallback=None,
-        scores=[],
-        band=[],
-        loads=[],
-        signature=None,
-        missing_blocks=0,
-        decide_s=0.001,
-    )
+    return messages.decision(request_id, worker, ts_s=0.0, policy="eldr", partition_version=1)
 
 
 async def never(_: str) -> Decision | None:

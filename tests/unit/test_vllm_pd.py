@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from eldr.vllm.load import AdmissionTracker, MetricsError, VllmLoad, parse_metrics
@@ -23,25 +21,12 @@ from eldr.vllm.pd import (
     request_id_from,
 )
 from eldr.wire import Decision
+from support import messages
 
 
 def decision(worker: str, band: list[str], scores: list[tuple[str, float]]) -> Decision:
-    return Decision(
-        request_id="r",
-        ts_s=time.time(),
-        router_id="router",
-        model="m",
-        worker_id=worker,
-        policy="eldr",
-        params={},
-        partition_version=1,
-        fallback=None,
-        scores=scores,
-        band=band,
-        loads=[],
-        signature=None,
-        missing_blocks=0,
-        decide_s=0.001,
+    return messages.decision(
+        "r", worker, policy="eldr", partition_version=1, scores=scores, band=band
     )
 
 
