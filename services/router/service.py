@@ -175,7 +175,11 @@ class RouterService:
         # Every replica's decisions (ours included: setdefault makes that a no-op).
         now = time.monotonic()
         self.table.on_assignment(msg.worker_id, msg.request_id, 0, now)
-        if msg.signature is not None and self.core.policy.uses_activity:
+        if (
+            msg.signature is not None
+            and self.core.policy.uses_activity
+            and msg.request_id not in self.core.activity  # ours, counted when decided
+        ):
             self.core.note_assignment(
                 msg.worker_id,
                 msg.request_id,

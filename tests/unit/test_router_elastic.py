@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
+import eldr.core.router as router_module
 from eldr.core.loadtable import LoadTable, Report
 from eldr.core.partition import Partition
 from eldr.core.policies import PolicySpec
@@ -102,3 +104,34 @@ def test_cost_aware_routing_without_a_signature_is_load_only_and_says_why() -> N
         RouteRequest("r", "m", 3, counts=None, signature_error="signature_timeout"), 0.0
     )
     assert (out.worker_id, out.fallback) == ("b", "signature_timeout")
+
+
+def test_interleaved_decisions_count_each_request_once_with_the_demand_it_was_decided_with(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Decisions are awaited concurrently in the service: r1 and r2 are decided before
+    either assignment is noted, and each is seen again on the decisions stream."""
+    core = RouterCore(PolicySpec("eldr_cost"), table(("a", 0), ("b", 0)), np.random.default_rng(0))
+    computed = []
+    real = router_module.request_demand
+
+    def counting(policy: object, req: RouteRequest) -> object:
+        demand = real(policy, req)  # type: ignore[arg-type]
+        computed.append((req.request_id, demand))
+        return demand
+
+    monkeypatch.setattr(router_module, "request_demand", counting)
+    r1, r2 = request("r1", 0), request("r2", 3)
+    w1 = core.decide(r1, 0.0).worker_id
+    w2 = core.decide(r2, 0.0).worker_id
+    core.note_assignment(w1, "r1", r1.counts, 3, now_s=0.0)
+    core.note_assignment(w2, "r2", r2.counts, 3, now_s=0.0)
+    core.note_assignment(w1, "r1", r1.counts, 3, now_s=0.0)  # echoed by the stream
+    core.note_assignment(w2, "r2", r2.counts, 3, now_s=0.0)
+    assert [rid for rid, _ in computed] == ["r1", "r2"]  # none computed again
+    assert len(core.activity) == 2
+    assert core.activity.requests_on(w1) + core.activity.requests_on(w2) == 2
+    # Another replica's decision is still counted, from its own counts.
+    core.note_assignment("b", "elsewhere", counts_for(1), 3, now_s=0.0)
+    assert [rid for rid, _ in computed][-1] == "elsewhere"
+    assert len(core.activity) == 3

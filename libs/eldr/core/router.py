@@ -30,6 +30,7 @@ whatever order the decisions are replayed (`eldr.replay`).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,6 +73,9 @@ SIGNATURE_FALLBACKS = (
 
 SEED_LIMIT = 1 << 63
 """Per-decision seeds are drawn from [0, SEED_LIMIT) (fits a signed 64-bit column)."""
+
+DEMAND_CACHE = 4096
+"""Most demands kept between a decision and the note of its assignment."""
 
 _JSQ = {m: JoinShortestQueue(load_measure=m) for m in LOAD_MEASURES}
 """The load-only fallback, per load measure (stateless, so shared)."""
@@ -286,8 +290,10 @@ class RouterCore:
         self.max_scores = max_scores
         self.activity = ActivityTable(ttl_s=activity_ttl_s)
         """Per worker, the experts its in-flight requests are predicted to activate."""
-        self._last_demand: tuple[str, ExpertDemand | None] | None = None
-        """The demand `decide` computed last, reused when its assignment is noted."""
+        self._decided_demands: OrderedDict[str, ExpertDemand | None] = OrderedDict()
+        """Demands `decide` computed, by request id, taken back when the assignment is
+        noted (decisions are awaited concurrently: several can be between the two). The
+        oldest are dropped beyond `DEMAND_CACHE` (a decision that was never published)."""
         self.partition: Partition | None = None
         self.spec = policy
         self.policy: Policy = make_policy(policy)
@@ -314,10 +320,14 @@ class RouterCore:
         prompt_tokens: int,
         now_s: float,
     ) -> None:
-        """A decision (any replica's) sent a request to a worker: count its experts there."""
-        last = self._last_demand
-        if last is not None and last[0] == request_id:
-            demand = last[1]
+        """A decision (any replica's) sent a request to a worker: count its experts there.
+        A request already counted (this replica's own decision, seen again on the
+        decisions stream) is left as it is."""
+        if request_id in self.activity:
+            self._decided_demands.pop(request_id, None)
+            return
+        if request_id in self._decided_demands:
+            demand = self._decided_demands.pop(request_id)
         else:
             demand = request_demand(
                 self.policy, RouteRequest(request_id, "", prompt_tokens, counts=counts)
@@ -339,7 +349,9 @@ class RouterCore:
         miss: np.ndarray | None = None
         if self.policy.uses_activity:
             demand = request_demand(self.policy, req)
-            self._last_demand = (req.request_id, demand)
+            self._decided_demands[req.request_id] = demand
+            while len(self._decided_demands) > DEMAND_CACHE:
+                self._decided_demands.popitem(last=False)
             miss = self.activity.miss_view(live)
         return route(
             req,
