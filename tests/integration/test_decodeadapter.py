@@ -8,20 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import pytest
 from aiohttp import web
 
 from eldr.bus import Bus, Delivery
-from eldr.runtime import run_service
 from eldr.settings import BusSettings
 from eldr.wire import Decision, LoadReport
 from eldr_services.decodeadapter.service import setup
 from eldr_services.decodeadapter.settings import DecodeAdapterSettings
 from support import messages
+from support.services import running_service
 
 pytestmark = pytest.mark.integration
 
@@ -67,20 +66,8 @@ class MetricsStandIn:
             await self._runner.cleanup()
 
 
-@asynccontextmanager
-async def adapter(settings: DecodeAdapterSettings) -> AsyncIterator[None]:
-    stop, ready = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(
-        run_service(
-            "decodeadapter", settings, setup, stop=stop, ready=ready, install_signal_handlers=False
-        )
-    )
-    try:
-        await asyncio.wait_for(ready.wait(), 20)
-        yield
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 20)
+def adapter(settings: DecodeAdapterSettings) -> AbstractAsyncContextManager[None]:
+    return running_service("decodeadapter", settings, setup)
 
 
 def decision(request_id: str, worker: str) -> Decision:

@@ -14,7 +14,7 @@ import json
 import socket
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 import aiohttp
@@ -23,13 +23,13 @@ from aiohttp import web
 
 from eldr.bus import Bus
 from eldr.bus.topology import DECISIONS
-from eldr.runtime import run_service
 from eldr.settings import BusSettings, RetentionSettings
 from eldr.wire import Decision, LoadReport, PrefillDone
 from eldr_services.gateway.service import setup as gateway_setup
 from eldr_services.gateway.settings import GatewaySettings
 from eldr_services.router.service import setup as router_setup
 from eldr_services.router.settings import RouterSettings
+from support.services import running_service
 
 pytestmark = pytest.mark.integration
 
@@ -120,18 +120,8 @@ class StandInVllm:
         )
 
 
-@asynccontextmanager
-async def service(name: str, settings: Any, setup: Any) -> AsyncIterator[None]:
-    stop, ready = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(
-        run_service(name, settings, setup, stop=stop, ready=ready, install_signal_handlers=False)
-    )
-    try:
-        await asyncio.wait_for(ready.wait(), 20)
-        yield
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 30)
+def service(name: str, settings: Any, setup: Any) -> AbstractAsyncContextManager[None]:
+    return running_service(name, settings, setup, stop_timeout_s=30)
 
 
 @asynccontextmanager

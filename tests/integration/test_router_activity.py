@@ -8,7 +8,7 @@ import re
 import socket
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 import aiohttp
 import numpy as np
@@ -16,12 +16,12 @@ import pytest
 
 from eldr.bus import Bus, Delivery
 from eldr.bus.topology import DECISIONS
-from eldr.runtime import run_service
 from eldr.settings import BusSettings, RetentionSettings
 from eldr.wire import Decision, DecodeProfile, LoadReport, PrefillDone, SparseCounts
 from eldr_services.router.service import setup
 from eldr_services.router.settings import RouterSettings
 from support import messages
+from support.services import running_service
 
 pytestmark = pytest.mark.integration
 
@@ -40,20 +40,8 @@ def counts(*experts: int) -> np.ndarray:
     return x
 
 
-@asynccontextmanager
-async def running_router(settings: RouterSettings) -> AsyncIterator[None]:
-    stop, ready = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(
-        run_service(
-            "router", settings, setup, stop=stop, ready=ready, install_signal_handlers=False
-        )
-    )
-    try:
-        await asyncio.wait_for(ready.wait(), 20)
-        yield
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 20)
+def running_router(settings: RouterSettings) -> AbstractAsyncContextManager[None]:
+    return running_service("router", settings, setup)
 
 
 @asynccontextmanager

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 import numpy as np
 import pytest
@@ -16,7 +16,6 @@ from eldr.bus.topology import DECISIONS, PARTITIONS
 from eldr.core.partition import Partition
 from eldr.core.signature import Calibration
 from eldr.partitions import blob_sha256, partition_to_blob
-from eldr.runtime import run_service
 from eldr.settings import BusSettings, RetentionSettings
 from eldr.wire import (
     Decision,
@@ -29,6 +28,7 @@ from eldr.wire import (
 )
 from eldr_services.router.service import setup
 from eldr_services.router.settings import RouterSettings
+from support.services import running_service
 
 pytestmark = pytest.mark.integration
 
@@ -64,20 +64,8 @@ async def reporting(
         task.cancel()
 
 
-@asynccontextmanager
-async def running_router(settings: RouterSettings) -> AsyncIterator[None]:
-    stop, ready = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(
-        run_service(
-            "router", settings, setup, stop=stop, ready=ready, install_signal_handlers=False
-        )
-    )
-    try:
-        await asyncio.wait_for(ready.wait(), 20)
-        yield
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 20)
+def running_router(settings: RouterSettings) -> AbstractAsyncContextManager[None]:
+    return running_service("router", settings, setup)
 
 
 async def report(bus: Bus, worker: str, seq: int, running: int = 0, admitted=()) -> None:

@@ -11,8 +11,8 @@ import re
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 import aiohttp
@@ -28,7 +28,6 @@ from eldr.core.signature import Calibration
 from eldr.core.synthetic import SyntheticSpec, generate
 from eldr.core.trace import expert_counts
 from eldr.partition_writer import write_active_version
-from eldr.runtime import run_service
 from eldr.settings import BusSettings, RetentionSettings
 from eldr.store import migrate, repo
 from eldr.store.models import PartitionStatus
@@ -44,6 +43,7 @@ from eldr.wire import (
 from eldr_services.trainer.service import setup
 from eldr_services.trainer.settings import TrainerSettings
 from support import messages
+from support.services import running_service
 
 pytestmark = pytest.mark.integration
 
@@ -81,20 +81,8 @@ def trainer_settings(
     return TrainerSettings(**base)
 
 
-@asynccontextmanager
-async def running_trainer(settings: TrainerSettings) -> AsyncIterator[None]:
-    stop, ready = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(
-        run_service(
-            "trainer", settings, setup, stop=stop, ready=ready, install_signal_handlers=False
-        )
-    )
-    try:
-        await asyncio.wait_for(ready.wait(), 30)
-        yield
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 30)
+def running_trainer(settings: TrainerSettings) -> AbstractAsyncContextManager[None]:
+    return running_service("trainer", settings, setup, ready_timeout_s=30, stop_timeout_s=30)
 
 
 async def publish_traffic(bus: Bus, model: str, n: int, *, start: int = 0, seed: int = 0) -> None:

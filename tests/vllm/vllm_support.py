@@ -23,15 +23,14 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from eldr.bus import Bus
-from eldr.runtime import run_service
 from eldr.settings import BusSettings, RetentionSettings
+from support.services import running_service
 
 SKIP_REASON = (
     "vLLM is not installed in this environment: run `make test-vllm` "
@@ -203,19 +202,9 @@ def service_settings(engines: Engines, cls: type[Any], **kw: Any) -> Any:
     return cls(**base, **kw)
 
 
-@asynccontextmanager
-async def running(name: str, settings: Any, setup: Any) -> AsyncIterator[None]:
+def running(name: str, settings: Any, setup: Any) -> AbstractAsyncContextManager[None]:
     """Run one ELDR service in-process until the block ends."""
-    stop, ready = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(
-        run_service(name, settings, setup, stop=stop, ready=ready, install_signal_handlers=False)
-    )
-    try:
-        await asyncio.wait_for(ready.wait(), 60)
-        yield
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 60)
+    return running_service(name, settings, setup, ready_timeout_s=60, stop_timeout_s=60)
 
 
 async def post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Any:
