@@ -1,4 +1,5 @@
-"""`eldr dev up`: run the local stack in the foreground until Ctrl-C (see eldr.dev.stack)."""
+"""`eldr dev up`: run the local stack in the foreground until Ctrl-C, restarting what
+crashes (see eldr.dev.stack)."""
 
 from __future__ import annotations
 
@@ -94,16 +95,8 @@ def up(args: argparse.Namespace) -> int:
             started,
             f" (not written yet: {', '.join(stack.skipped)})" if stack.skipped else "",
         )
-        died = stack.wait(stop)
-        if died is not None:
-            log.error(
-                "%s exited with status %s; stopping the stack. Its last lines:\n%s",
-                died.instance_id,
-                died.returncode,
-                died.log_tail(),
-            )
-            return 1
-        return 0
+        # Restarts crashed services and a dead nats-server; 1 = gave up (logged).
+        return stack.supervise(stop)
     finally:
         codes = stack.stop()
         unclean = {k: v for k, v in codes.items() if v != 0}
@@ -118,11 +111,15 @@ def register(subparsers: Any) -> None:
     dev_sub = dev.add_subparsers(dest="dev_command", metavar="COMMAND")
     p = dev_sub.add_parser(
         "up",
-        help="start NATS, migrate the database, start every service; Ctrl-C stops them",
+        help="start NATS, migrate the database, start every service and keep them running "
+        "(crashed ones are restarted); Ctrl-C stops them",
         description="Start an embedded nats-server (unless --nats-url / ELDR_NATS_URL), "
         "migrate the database, and start "
         + ", ".join(f"{s.name} (x{s.replicas})" for s in SERVICES)
-        + " in that order, each once the previous is ready.",
+        + " in that order, each once the previous is ready; then restart any that exits (with "
+        "backoff) and a dead nats-server, until Ctrl-C. The state directory is locked: a "
+        "second stack on it is refused. The services die with this command, kill -9 "
+        "included.",
     )
     p.add_argument("--namespace", help="subject/stream namespace (default: ELDR_NAMESPACE, eldr)")
     p.add_argument(

@@ -19,12 +19,18 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 log = logging.getLogger(__name__)
 
 _LOG_TAIL_BYTES = 4000
+
+
+def _default_popen(args: Sequence[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(args, **kwargs)
 
 
 class NatsServerError(RuntimeError):
@@ -59,6 +65,8 @@ class EmbeddedNats:
     `port` / `monitor_port` default to free ports chosen at the first start and kept
     across restarts; `store_dir` defaults to a temporary directory removed by `stop()`.
     `config_file` is passed with `-c` (auth, TLS, limits); command-line flags win.
+    `popen` starts the process (default `subprocess.Popen`; the local stack passes its
+    `ChildSpawner.popen`, so the server dies with the supervisor).
     """
 
     def __init__(
@@ -73,6 +81,7 @@ class EmbeddedNats:
         startup_timeout_s: float = 15.0,
         stop_timeout_s: float = 10.0,
         extra_args: tuple[str, ...] = (),
+        popen: Callable[..., subprocess.Popen[bytes]] | None = None,
     ) -> None:
         self.host = host
         self.port = port
@@ -82,6 +91,7 @@ class EmbeddedNats:
         self.startup_timeout_s = startup_timeout_s
         self.stop_timeout_s = stop_timeout_s
         self.extra_args = extra_args
+        self._popen: Callable[..., subprocess.Popen[bytes]] = popen or _default_popen
         self._given_store_dir = store_dir
         self._work_dir: Path | None = None
         self._process: subprocess.Popen[bytes] | None = None
@@ -108,6 +118,11 @@ class EmbeddedNats:
     def pid(self) -> int | None:
         """Process id of the running server (None when stopped)."""
         return self._process.pid if self.running and self._process is not None else None
+
+    @property
+    def exit_code(self) -> int | None:
+        """Exit status of a server that died on its own (None while running or stopped)."""
+        return self._process.poll() if self._process is not None else None
 
     @property
     def running(self) -> bool:
@@ -144,7 +159,7 @@ class EmbeddedNats:
         ]
         log.debug("starting %s", " ".join(args))
         with self.log_file.open("ab") as log_out:
-            self._process = subprocess.Popen(
+            self._process = self._popen(
                 args, stdout=log_out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
             )
         try:

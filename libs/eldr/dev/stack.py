@@ -7,6 +7,15 @@ waits for every replica's `/readyz` before starting the next service. Their outp
 are prefixed with the instance id. `stop()` stops them in reverse order: SIGTERM, wait,
 SIGKILL after a timeout; then NATS.
 
+`supervise()` (what `eldr dev up` runs until Ctrl-C) heals the stack: a service that exits
+is restarted with the same instance id and settings after a backoff (`Backoff`; logged
+with its exit status and last lines, then again when it is ready), giving up and stopping
+the stack after `max_restarts` consecutive crashes; an embedded nats-server that dies is
+restarted on the same port and JetStream store (the services reconnect), and the stack
+stops when it cannot be. The stack holds a lock on its state directory (a second stack on
+the same directory is refused), and every child is started so that it dies with the
+supervisor, `kill -9` included (`eldr.dev.supervision`).
+
 The service list is data (`ServiceSpec`), shared with the Tiltfile test, so a service that
 is not written yet (no `eldr_services.<name>.service`) is easy to spot: `missing_services`
 names it, and `StackConfig.skip_missing` starts the rest without it.
@@ -31,7 +40,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -40,7 +49,14 @@ from typing import TextIO
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from eldr.dev.natsserver import EmbeddedNats, free_port
+from eldr.dev.natsserver import EmbeddedNats, NatsServerError, free_port
+from eldr.dev.supervision import (
+    Backoff,
+    ChildSpawner,
+    StateDirLock,
+    StateDirLockedError,
+    describe_exit,
+)
 from eldr.settings import NAMESPACE_PATTERN, BusSettings
 
 log = logging.getLogger(__name__)
@@ -145,6 +161,34 @@ class DevStackSettings(BaseSettings):
     )
 
 
+@dataclass
+class Recovery:
+    """One crash that `supervise()` repaired (or is repairing); times are monotonic."""
+
+    instance_id: str
+    """A service's instance id, or `nats-server`."""
+    exit: str
+    """How it ended (`killed by SIGKILL`, `status 1`)."""
+    noticed_s: float
+    restarted_s: float | None = None
+    ready_s: float | None = None
+
+    @property
+    def recovery_s(self) -> float | None:
+        """From noticing the exit to the replacement being ready."""
+        return None if self.ready_s is None else self.ready_s - self.noticed_s
+
+
+@dataclass
+class _Watch:
+    """`supervise()`'s bookkeeping for one instance."""
+
+    consecutive: int = 0
+    restart_due_s: float | None = None
+    ready: bool = True
+    recovery: Recovery | None = None
+
+
 @dataclass(frozen=True)
 class StackConfig:
     namespace: str = "eldr"
@@ -173,6 +217,11 @@ class StackConfig:
     """Write the services' prefixed output lines to the output stream."""
     log_dir: Path | None = None
     """Also append each instance's output to `<log_dir>/<instance>.log`."""
+    restart_backoff: Backoff = field(default_factory=Backoff)
+    """`supervise()`: delay before restarting a crashed service or nats-server."""
+    max_restarts: int = 10
+    """`supervise()`: consecutive crashes of one service (or failed nats-server starts)
+    after which the stack stops instead."""
 
     def replicas_of(self, spec: ServiceSpec) -> int:
         return int(self.replicas.get(spec.name, spec.replicas))
@@ -191,6 +240,7 @@ class ServiceProcess:
         *,
         sink: _OutputSink,
         log_file: Path | None,
+        popen: Callable[..., subprocess.Popen[bytes]],
     ) -> None:
         self.spec = spec
         self.index = index
@@ -200,9 +250,10 @@ class ServiceProcess:
         self.tail: deque[str] = deque(maxlen=_LOG_TAIL_LINES)
         self._sink = sink
         self._log_file = log_file
+        self.started_s = time.monotonic()
         # A session of its own: Ctrl-C reaches only the supervisor, which stops services
         # in order instead of all of them at once.
-        self.popen = subprocess.Popen(
+        self.popen = popen(
             command,
             env=env,
             stdout=subprocess.PIPE,
@@ -306,7 +357,10 @@ class Stack:
         """instance id -> exit code, filled by `stop()`."""
         self.skipped: list[str] = []
         """Services of the list that were not started because they do not exist."""
-        self._temp_dir: Path | None = None
+        self.recoveries: list[Recovery] = []
+        """Crashes `supervise()` noticed, in order, with their recovery times."""
+        self._lock: StateDirLock | None = None
+        self._spawner: ChildSpawner | None = None
         out = (output or sys.stdout) if self.config.echo else None
         width = max((len(s.name) for s in self.config.services), default=8) + 3
         self._sink = _OutputSink(out, width)
@@ -355,6 +409,7 @@ class Stack:
     def start(self) -> Stack:
         plan = self.planned()
         try:
+            self._hold_state_dir()
             self._start_nats()
             if any(spec.uses_database for spec, _ in plan):
                 self._migrate()
@@ -372,12 +427,29 @@ class Stack:
         path.mkdir(parents=True, exist_ok=True)
         return path
 
+    def _hold_state_dir(self) -> None:
+        """Lock the state directory (SQLite database, JetStream store, logs) for this stack
+        and its children; every child is started by the spawner, which passes them the lock
+        and makes them die with this process."""
+        lock = StateDirLock(self._state_dir())
+        try:
+            lock.acquire()
+        except StateDirLockedError as exc:
+            raise StackError(str(exc)) from None
+        self._lock = lock
+        self._spawner = ChildSpawner(pass_fds=(lock.fd,))
+
+    def _popen(self, args: Sequence[str], **kwargs: object) -> subprocess.Popen[bytes]:
+        if self._spawner is None:
+            raise StackError("the stack is not started")
+        return self._spawner.popen(args, **kwargs)
+
     def _start_nats(self) -> None:
         if self.config.nats_url is not None:
             self.nats_url = self.config.nats_url
             log.info("using NATS at %s", self.nats_url)
             return
-        self.nats = EmbeddedNats(store_dir=self.config.nats_store_dir)
+        self.nats = EmbeddedNats(store_dir=self.config.nats_store_dir, popen=self._popen)
         self.nats.start()
         self.nats_url = self.nats.url
 
@@ -425,6 +497,7 @@ class Stack:
             port,
             sink=self._sink,
             log_file=log_file,
+            popen=self._popen,
         )
         log.info("started %s (pid %d, metrics %s)", process.instance_id, process.pid, process.url)
         return process
@@ -481,15 +554,133 @@ class Stack:
         if self.nats is not None:
             self.nats.stop()
             self.nats = None
+        # Only now: the spawner thread's end is what would signal the children.
+        if self._spawner is not None:
+            self._spawner.close()
+            self._spawner = None
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
         return dict(self.exit_codes)
 
-    def wait(self, stop: threading.Event, poll_s: float = 0.5) -> ServiceProcess | None:
-        """Block until `stop` is set (None) or a service exits on its own (that process)."""
+    # --- supervision ------------------------------------------------------------------
+
+    def supervise(self, stop: threading.Event, poll_s: float = 0.25) -> int:
+        """Keep the started stack running until `stop` is set (returns 0), restarting
+        services that exit and an embedded nats-server that dies (module docstring).
+        Returns 1 when it gives up: a service crashed `max_restarts` times in a row, or
+        nats-server could not be started again. The caller then calls `stop()`."""
+        watches: dict[str, _Watch] = {p.instance_id: _Watch() for p in self.processes}
         while not stop.wait(poll_s):
-            for process in self.processes:
-                if process.returncode is not None:
-                    return process
-        return None
+            if not self._supervise_nats(stop):
+                return 1
+            for index, process in enumerate(list(self.processes)):
+                watch = watches.setdefault(process.instance_id, _Watch())
+                if watch.consecutive > self.config.max_restarts:
+                    return 1
+                replacement = self._supervise_one(process, watch)
+                if replacement is not None:
+                    self.processes[index] = replacement
+        return 0
+
+    def _supervise_one(self, process: ServiceProcess, watch: _Watch) -> ServiceProcess | None:
+        """One look at one replica: its replacement when it was restarted, else None
+        (`watch.consecutive` past `max_restarts`: the stack gives up on it)."""
+        now = time.monotonic()
+        code = process.returncode
+        backoff = self.config.restart_backoff
+        if code is None:
+            if not watch.ready and process.is_ready(timeout_s=0.5):
+                watch.ready = True
+                if watch.recovery is not None:
+                    watch.recovery.ready_s = time.monotonic()
+                    log.info(
+                        "%s is ready again, %.1f s after it exited (%s)",
+                        process.instance_id,
+                        watch.recovery.recovery_s,
+                        watch.recovery.exit,
+                    )
+            if (
+                watch.ready
+                and watch.consecutive
+                and now - process.started_s >= backoff.reset_after_s
+            ):
+                watch.consecutive = 0
+            return None
+        if watch.restart_due_s is None:
+            process.join_output(timeout_s=0.5)
+            watch.consecutive += 1
+            exit_text = describe_exit(code)
+            if watch.consecutive > self.config.max_restarts:
+                log.error(
+                    "%s exited (%s) after %d restarts in a row: giving up, stopping the "
+                    "stack. Its last lines:\n%s",
+                    process.instance_id,
+                    exit_text,
+                    self.config.max_restarts,
+                    process.log_tail(),
+                )
+                return None
+            delay_s = backoff.delay_s(watch.consecutive)
+            watch.restart_due_s = now + delay_s
+            watch.ready = False
+            watch.recovery = Recovery(process.instance_id, exit_text, noticed_s=now)
+            self.recoveries.append(watch.recovery)
+            log.error(
+                "%s exited (%s); restarting it in %.1f s (restart %d in a row). Its last "
+                "lines:\n%s",
+                process.instance_id,
+                exit_text,
+                delay_s,
+                watch.consecutive,
+                process.log_tail(),
+            )
+            return None
+        if now < watch.restart_due_s:
+            return None
+        watch.restart_due_s = None
+        new = self._spawn(process.spec, process.index)
+        if watch.recovery is not None:
+            watch.recovery.restarted_s = time.monotonic()
+        return new
+
+    def _supervise_nats(self, stop: threading.Event) -> bool:
+        """Restart a dead embedded nats-server on its port and store; False when it
+        cannot be started within `max_restarts` attempts."""
+        nats = self.nats
+        if nats is None or nats.running:
+            return True
+        code = nats.exit_code
+        recovery = Recovery(
+            "nats-server", describe_exit(code) if code is not None else "gone", time.monotonic()
+        )
+        self.recoveries.append(recovery)
+        log.error(
+            "nats-server exited (%s); restarting it on %s with the same JetStream store "
+            "(the services reconnect)",
+            recovery.exit,
+            nats.url,
+        )
+        for attempt in range(1, self.config.max_restarts + 1):
+            try:
+                recovery.restarted_s = time.monotonic()
+                nats.start()
+            except NatsServerError as exc:
+                delay_s = self.config.restart_backoff.delay_s(attempt)
+                log.error(
+                    "nats-server did not start again (attempt %d): %s; next try in %.1f s",
+                    attempt,
+                    exc,
+                    delay_s,
+                )
+                if stop.wait(delay_s):
+                    return True
+                continue
+            recovery.ready_s = time.monotonic()
+            log.info("nats-server is up again, %.1f s after it exited", recovery.recovery_s)
+            return True
+        log.error("nats-server could not be started again: stopping the stack")
+        return False
 
     # --- conveniences -----------------------------------------------------------------
 
