@@ -53,7 +53,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from eldr.core.activity import ActivityTable
+from eldr.core.activity import DEFAULT_TTL_S, ActivityTable
 from eldr.core.costmodel import CostProfile
 from eldr.core.partition import Partition
 from eldr.core.policies import (
@@ -84,7 +84,7 @@ SCORE_TOLERANCE = 1e-5
 MAX_SAMPLES = 4000
 """Upper bound on batch samples of the decode model (its cost is samples x workers)."""
 
-ACTIVITY_TTL_S = 600.0
+ACTIVITY_TTL_S = DEFAULT_TTL_S
 """How long a request without a recorded finish stays in a rebuilt activity table (the
 router's `activity_ttl_s` default)."""
 

@@ -150,6 +150,10 @@ class RetentionSettings(BaseSettings):
         default=7 * 86400.0, gt=0, description="DecodeProfile retention."
     )
     profiles_max_bytes: int = Field(default=1 << 30, gt=0, description="Size cap of PROFILES.")
+    finished_max_age_s: float = Field(
+        default=3600.0, gt=0, description="RequestFinished retention (recorded core publishes)."
+    )
+    finished_max_bytes: int = Field(default=256 << 20, gt=0, description="Size cap of FINISHED.")
     partitions_history: int = Field(
         default=64, ge=1, description="Partition announcements kept on `{ns}.partition.active`."
     )

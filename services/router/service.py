@@ -2,7 +2,8 @@
 
 Inputs: PrefillDone events (JetStream, durable consumer shared by all replicas, at least
 once), load reports (core), every replica's decisions (to keep the fleet-wide load table),
-partition announcements. For each PrefillDone: fetch the signature (request/reply to the
+the gateways' finish events and decode profiles (a request leaves the load and activity
+tables), partition announcements. For each PrefillDone: fetch the signature (request/reply to the
 signature service, bounded wait), decide (`eldr.core.router`), commit the decision with
 "expected last subject sequence 0" on the request's decision subject (the first decision
 for a request id wins; a redelivery reads the committed one instead of deciding again),
@@ -45,6 +46,7 @@ from eldr.wire import (
     PartitionAnnouncement,
     PartitionBlob,
     PrefillDone,
+    RequestFinished,
     RouterControl,
     RouterControlReply,
     SparseCounts,
@@ -120,9 +122,38 @@ class RouterMetrics:
         self.activity_requests = Gauge(
             "eldr_router_activity_requests",
             "In-flight requests whose predicted experts cost-aware routing counts against "
-            "their workers (assigned, decode profile not yet seen).",
+            "their workers (assigned, finish not yet seen).",
             registry=r,
         )
+        self.activity_bytes = Gauge(
+            "eldr_router_activity_bytes",
+            "Memory held by the activity table's entries and per-worker sums.",
+            registry=r,
+        )
+        self.activity_evictions = Counter(
+            "eldr_router_activity_evictions_total",
+            "Activity entries dropped without a finish: over the worker's in-flight count "
+            "plus slack (over_in_flight), older than activity_ttl_s (ttl), table full "
+            "(capacity), worker left the table (worker_gone).",
+            ["reason"],
+            registry=r,
+        )
+        self.finished = Counter(
+            "eldr_router_finish_events_total",
+            "Finish events taken, by reason (stop, length, abort, error, moved; profile for "
+            "a decode profile) and whether this replica tracked the request (tracked, "
+            "untracked).",
+            ["reason", "outcome"],
+            registry=r,
+        )
+        self.rejected_inputs = Counter(
+            "eldr_router_rejected_inputs_total",
+            "Well-formed messages refused for what they claim, by kind.",
+            ["kind"],
+            registry=r,
+        )
+        for reason in ("over_in_flight", "ttl", "capacity", "worker_gone"):
+            self.activity_evictions.labels(reason)
         # Pre-create the bounded label sets so dashboards see zeros.
         for reason in ("none", *FALLBACK_REASONS):
             self.decisions.labels(ctx.settings.policy, reason)
@@ -138,14 +169,20 @@ class RouterService:
         self.topology = build_topology(s.namespace, s)
         self.metrics = RouterMetrics(ctx)
         self.table = LoadTable(stale_after_s=s.stale_after_s, pending_ttl_s=s.pending_ttl_s)
-        ctx.registry.register(LoadTableCollector(self.table))
         self.core = RouterCore(
             PolicySpec(name=s.policy, tau=s.tau, load_measure=s.load_measure),
             self.table,
             np.random.default_rng([s.seed, zlib.crc32(s.instance_id.encode())]),
             max_scores=s.max_scores,
             activity_ttl_s=s.activity_ttl_s,
+            activity_slack=s.activity_slack,
+            activity_max_entries=s.activity_max_entries,
         )
+        ctx.registry.register(LoadTableCollector(self.table, self.core.activity))
+        activity = self.core.activity
+        self.metrics.activity_requests.set_function(lambda: len(activity))
+        self.metrics.activity_bytes.set_function(lambda: activity.nbytes)
+        self._evicted_capacity = 0
         self._latest_announcement: tuple[int, PartitionAnnouncement] | None = None
         self._loaded_seq = 0
         self._partition_wakeup = asyncio.Event()
@@ -169,6 +206,8 @@ class RouterService:
             time.monotonic(),
         )
         self.metrics.load_reports.labels("ok" if applied else "stale").inc()
+        if applied:
+            self._bound_activity(msg.worker_id)
         self._report_arrived.set()
 
     async def on_decision(self, msg: Decision, _: Delivery) -> None:
@@ -190,7 +229,33 @@ class RouterService:
 
     async def on_profile(self, msg: DecodeProfile, _: Delivery) -> None:
         # A finished request: its experts no longer weigh on its worker's steps.
-        self.core.note_finished(msg.request_id)
+        tracked = self.core.note_finished(msg.request_id)
+        self.metrics.finished.labels("profile", "tracked" if tracked else "untracked").inc()
+
+    async def on_finished(self, msg: RequestFinished, delivery: Delivery) -> None:
+        """A gateway saw the request leave its decode worker (any reason), or move to
+        another worker before it started there."""
+        if delivery.subject != self.subjects.finished(msg.gateway_id):
+            # Identity from the transport: a gateway may speak only for itself.
+            self.metrics.rejected_inputs.labels("finished_gateway_mismatch").inc()
+            log.warning(
+                "finish event for %s names gateway %s but came on %s: ignored",
+                msg.request_id,
+                msg.gateway_id,
+                delivery.subject,
+            )
+            return
+        if msg.reason == "moved":
+            assert msg.moved_to is not None  # the schema requires it
+            tracked = self.core.note_moved(msg.request_id, msg.moved_to, time.monotonic())
+        else:
+            tracked = self.core.note_finished(msg.request_id)
+        self.metrics.finished.labels(msg.reason, "tracked" if tracked else "untracked").inc()
+
+    def _bound_activity(self, worker_id: str) -> None:
+        evicted = self.core.bound_activity(worker_id)
+        if evicted:
+            self.metrics.activity_evictions.labels("over_in_flight").inc(evicted)
 
     async def on_announcement(self, msg: PartitionAnnouncement, delivery: Delivery) -> None:
         seq = delivery.stream_seq or 0
@@ -237,11 +302,21 @@ class RouterService:
         while not self.ctx.stopping.is_set():
             now = time.monotonic()
             removed = self.table.expire(now)
+            activity = self.core.activity
             for wid in removed:
                 log.warning("decode worker %s went stale and left the load table", wid)
-                self.core.activity.remove_worker(wid)
-            self.core.activity.expire(now)
-            self.metrics.activity_requests.set(len(self.core.activity))
+                gone = activity.remove_worker(wid)
+                self.metrics.activity_evictions.labels("worker_gone").inc(gone)
+            expired = activity.expire(now)
+            if expired:
+                self.metrics.activity_evictions.labels("ttl").inc(expired)
+            for wid in activity.per_worker():
+                self._bound_activity(wid)
+            if activity.evicted_capacity > self._evicted_capacity:
+                self.metrics.activity_evictions.labels("capacity").inc(
+                    activity.evicted_capacity - self._evicted_capacity
+                )
+                self._evicted_capacity = activity.evicted_capacity
             self.metrics.live_workers.set(len(self.table))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.ctx.stopping.wait(), timeout=period)
@@ -276,6 +351,9 @@ class RouterService:
         """The request's prefill counts: what the prefill computed (carried in the event)
         plus, from the signature service, its prefix-cache hits. Returns (counts [L, E] or
         None, blocks missing, the reason when None)."""
+        if msg.capture == "unavailable":
+            # The prefill could not capture (the gateway said so): route load-only now.
+            return None, 0, "no_capture"
         if msg.computed is not None:
             computed = msg.computed.to_dense(np.uint32)
             cached = msg.block_hashes[: msg.cached_prefix_blocks]
@@ -468,6 +546,7 @@ async def setup(ctx: ServiceContext[RouterSettings]) -> None:
     await bus.subscribe(subjects.load_all, LoadReport, svc.on_load_report)
     await bus.subscribe(subjects.decisions_all, Decision, svc.on_decision)
     await bus.subscribe(subjects.profiles_all, DecodeProfile, svc.on_profile)
+    await bus.subscribe(subjects.finished_all, RequestFinished, svc.on_finished)
     tasks = [
         asyncio.create_task(svc.partition_loader(), name="partition-loader"),
         asyncio.create_task(svc.expire_loop(), name="expire-loop"),

@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from eldr.core.activity import DEFAULT_MAX_ENTRIES, DEFAULT_TTL_S
 from eldr.core.policies import DEFAULT_POLICY, PAPER_POLICY, POLICY_NAMES
 from eldr.settings import CommonSettings
 
@@ -18,10 +19,25 @@ class RouterSettings(CommonSettings):
         f"locality (docs/ONLINE.md); {PAPER_POLICY} is the ELDR paper's band rule.",
     )
     activity_ttl_s: float = Field(
-        default=600.0,
+        default=DEFAULT_TTL_S,
         gt=0,
         description="Cost-aware routing counts a request's experts against its worker until "
-        "its decode profile arrives, or for at most this long.",
+        "the gateway's finish event (or its decode profile) arrives, or for at most this "
+        "long: the longest a request decodes (default: 4,096 tokens at 30 ms each, ~123 s) "
+        "plus the time to be admitted.",
+    )
+    activity_slack: int = Field(
+        default=4,
+        ge=0,
+        le=4096,
+        description="Activity entries a worker may hold beyond the requests its load reports "
+        "and pending assignments say are in flight there; beyond, the oldest are evicted "
+        "(finishes never seen) and counted.",
+    )
+    activity_max_entries: int = Field(
+        default=DEFAULT_MAX_ENTRIES,
+        ge=1,
+        description="Activity entries held at most, all workers together (the oldest go).",
     )
     tau: float = Field(default=0.1, ge=0.0, le=2.0, description="ELDR locality-band width.")
     load_measure: Literal["requests", "kv_tokens"] = Field(

@@ -280,6 +280,7 @@ def recording(nats_server: EmbeddedNats) -> Iterator[Recording]:
         decisions_max_bytes=32 * mib,
         load_max_bytes=16 * mib,
         profiles_max_bytes=16 * mib,
+        finished_max_bytes=16 * mib,
         partitions_max_bytes=16 * mib,
         dlq_max_bytes=16 * mib,
     )

@@ -46,6 +46,7 @@ async def test_a_replay_resumes_after_the_server_restarts(tmp_path: Path, from_t
         retention = RetentionSettings(
             **{f"{s}_max_bytes": 1 << 20 for s in ("blocks", "prefill", "decisions", "load")},
             profiles_max_bytes=1 << 20,
+            finished_max_bytes=1 << 20,
             dlq_max_bytes=1 << 20,
             partitions_max_bytes=1 << 20,
         )

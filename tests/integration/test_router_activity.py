@@ -1,5 +1,6 @@
 """Cost-aware routing in the routing service: the activity of every replica's decisions
-steers it, and decode profiles (finished requests) release it."""
+steers it, and the gateway's finish events or decode profiles (finished requests) release
+it; a worker's entries stay within what is in flight there."""
 
 from __future__ import annotations
 
@@ -17,7 +18,14 @@ import pytest
 from eldr.bus import Bus, Delivery
 from eldr.bus.topology import DECISIONS
 from eldr.settings import BusSettings, RetentionSettings
-from eldr.wire import Decision, DecodeProfile, LoadReport, PrefillDone, SparseCounts
+from eldr.wire import (
+    Decision,
+    DecodeProfile,
+    LoadReport,
+    PrefillDone,
+    RequestFinished,
+    SparseCounts,
+)
 from eldr_services.router.service import setup
 from eldr_services.router.settings import RouterSettings
 from support import messages
@@ -104,15 +112,30 @@ async def finished(bus: Bus, rid: str, worker: str) -> None:
     )
 
 
-async def activity(port: int) -> float:
+async def gateway_says_finished(
+    bus: Bus, rid: str, worker: str, *, gateway: str = "gw0", subject_gateway: str | None = None
+) -> None:
+    await bus.publish(
+        bus.subjects.finished(subject_gateway or gateway),
+        RequestFinished(
+            request_id=rid, gateway_id=gateway, ts_s=time.time(), reason="stop", worker_id=worker
+        ),
+    )
+
+
+async def metric(port: int, name: str) -> float:
     async with (
         aiohttp.ClientSession() as http,
         http.get(f"http://127.0.0.1:{port}/metrics") as response,
     ):
         text = await response.text()
-    found = re.search(r"^eldr_router_activity_requests (\S+)$", text, re.MULTILINE)
-    assert found is not None
+    found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    assert found is not None, name
     return float(found.group(1))
+
+
+async def activity(port: int) -> float:
+    return await metric(port, "eldr_router_activity_requests")
 
 
 async def wait_for_activity(port: int, value: float) -> None:
@@ -188,3 +211,72 @@ async def test_cost_aware_routing_follows_activity_and_forgets_finished_requests
         second = await route(bus, "r2", (2, 3))
     # Had d1's finished requests still counted, d1 (3 of them) would have won again.
     assert second.worker_id == "d0"
+
+
+async def test_finish_events_release_activity_without_any_decode_profile(
+    bus: Bus, bus_settings: BusSettings, retention: RetentionSettings
+) -> None:
+    # The same story with real decode workers that publish no profiles: the gateway's
+    # finish events alone release the activity, and a forged gateway id does not.
+    port = free_port()
+    settings = RouterSettings(
+        **(bus_settings.model_dump() | retention.model_dump()),
+        signature_timeout_s=0.05,
+        stale_after_s=2.0,
+        metrics_port=port,
+    )
+    admitted: dict[str, list[str]] = {"d0": [], "d1": []}
+    async with reporting(bus, admitted), running_router(settings):
+        for i in range(3):
+            admitted["d1"].append(f"y{i}")
+            await other_replica_decides(bus, f"y{i}", "d1", (2, 3))
+        await wait_for_activity(port, 3)
+        # A finish published on another gateway's subject is refused and counted.
+        await gateway_says_finished(bus, "y0", "d1", gateway="gw0", subject_gateway="gw1")
+        deadline = time.monotonic() + 10
+        name = 'eldr_router_rejected_inputs_total{kind="finished_gateway_mismatch"}'
+        while await metric(port, name) < 1:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        assert await activity(port) == 3
+        for i in range(3):
+            await gateway_says_finished(bus, f"y{i}", "d1")
+        await wait_for_activity(port, 0)
+        tracked = 'eldr_router_finish_events_total{outcome="tracked",reason="stop"}'
+        assert await metric(port, tracked) == 3
+        for i in range(2):
+            admitted["d0"].append(f"z{i}")
+            await other_replica_decides(bus, f"z{i}", "d0", (2, 3))
+        await wait_for_activity(port, 2)
+        second = await route(bus, "r2", (2, 3))
+    assert second.worker_id == "d0"
+
+
+async def test_a_workers_activity_is_capped_by_its_in_flight_requests(
+    bus: Bus, bus_settings: BusSettings, retention: RetentionSettings
+) -> None:
+    # 40 decisions for d1 whose finishes never arrive, while d1 keeps reporting 3 requests
+    # in flight: the replica holds at most 3 + slack of them and counts the evictions.
+    port = free_port()
+    settings = RouterSettings(
+        **(bus_settings.model_dump() | retention.model_dump()),
+        signature_timeout_s=0.05,
+        stale_after_s=2.0,
+        metrics_port=port,
+        activity_slack=2,
+    )
+    admitted: dict[str, list[str]] = {"d0": [], "d1": []}
+    async with reporting(bus, admitted), running_router(settings):
+        await asyncio.sleep(0.3)  # the first reports are in
+        for i in range(40):
+            admitted["d1"].append(f"y{i}")
+            await other_replica_decides(bus, f"y{i}", "d1", (i % E,))
+        deadline = time.monotonic() + 10
+        evicted = 'eldr_router_activity_evictions_total{reason="over_in_flight"}'
+        while await metric(port, evicted) < 35:
+            assert time.monotonic() < deadline, await metric(port, evicted)
+            await asyncio.sleep(0.05)
+        assert await activity(port) == 5
+        per_worker = 'eldr_router_worker_activity_requests{worker="d1"}'
+        assert await metric(port, per_worker) == 5
+        assert await metric(port, "eldr_router_activity_bytes") > 0

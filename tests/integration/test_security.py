@@ -94,6 +94,7 @@ def settings_for(secure: SecureNats, name: str, **overrides: object) -> BusSetti
 RETENTION = RetentionSettings(
     **{f"{s}_max_bytes": 8 << 20 for s in ("blocks", "prefill", "decisions", "load", "dlq")},
     profiles_max_bytes=8 << 20,
+    finished_max_bytes=8 << 20,
     partitions_max_bytes=16 << 20,
 )
 

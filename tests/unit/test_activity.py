@@ -143,3 +143,82 @@ def test_another_geometry_resets_the_table() -> None:
     assert len(table) == 1
     assert table.miss_view(["a"]) is not None
     assert ActivityTable().miss_view(["a"]) is None
+
+
+def test_evict_over_drops_a_workers_oldest_entries_first() -> None:
+    table = ActivityTable()
+    for i in range(5):
+        table.add("w", f"r{i}", expert_demand(one_hot(i % E)), float(i))
+    table.add("other", "x", expert_demand(one_hot(0)), 0.0)
+    assert table.evict_over("w", 3) == 2
+    assert "r0" not in table
+    assert "r1" not in table
+    assert all(f"r{i}" in table for i in (2, 3, 4))
+    assert table.requests_on("other") == 1
+    assert table.evict_over("w", 3) == 0
+    assert table.evict_over("nobody", 0) == 0
+
+
+def test_the_whole_table_is_bounded_and_its_memory_is_accounted() -> None:
+    table = ActivityTable(max_entries=3)
+    assert table.nbytes == 0
+    for i in range(5):
+        table.add(f"w{i % 2}", f"r{i}", expert_demand(one_hot(i % E)), float(i))
+    assert len(table) == 3
+    assert table.evicted_capacity == 2
+    assert "r0" not in table
+    assert "r1" not in table
+    held = table.nbytes
+    assert held > 0
+    for rid in ("r2", "r3", "r4"):
+        table.finish(rid)
+    assert table.nbytes == 0
+    assert table.per_worker() == {}
+
+
+def test_a_moved_request_leaves_its_first_worker_and_keeps_its_age() -> None:
+    table = ActivityTable(ttl_s=10.0)
+    d = expert_demand(one_hot(3))
+    table.add("a", "r", d, now_s=0.0)
+    assert table.move("r", "b")
+    assert table.worker_of("r") == "b"
+    assert table.requests_on("a") == 0
+    assert table.requests_on("b") == 1
+    miss = table.miss_view(["a", "b"])
+    assert miss is not None
+    np.testing.assert_array_equal(miss[0], 1.0)
+    np.testing.assert_allclose(miss[1], 1.0 - d.probability())
+    assert not table.move("unknown", "b")
+    assert table.expire(now_s=11.0) == 1  # the age came along
+
+
+@given(st.lists(st.tuples(st.sampled_from("abc"), st.integers(0, 9)), max_size=60))
+@settings(max_examples=60, deadline=None)
+def test_finishing_and_evicting_in_any_order_keeps_the_sums_exact(
+    ops: list[tuple[str, int]],
+) -> None:
+    # Whatever the interleaving of adds, finishes, moves and evictions, each worker's
+    # view equals the product over the requests it still holds.
+    table = ActivityTable(max_entries=6)
+    held: dict[str, tuple[str, np.ndarray]] = {}
+    for step, (worker, n) in enumerate(ops):
+        rid = f"r{n}"
+        if n < 5:
+            d = expert_demand(one_hot(n % E))
+            if table.add(worker, rid, d, float(step)):
+                held[rid] = (worker, d.probability())
+        elif n < 7:
+            table.finish(f"r{n - 5}")
+        elif n == 7:
+            table.move(f"r{step % 5}", worker)
+        else:
+            table.evict_over(worker, 1)
+        held = {r: (table.worker_of(r), p) for r, (_, p) in held.items() if r in table}
+    for worker in "abc":
+        miss = table.miss_view([worker])
+        mine = [p for (w, p) in held.values() if w == worker]
+        if miss is None:
+            continue
+        expected = np.prod([1.0 - p for p in mine], axis=0) if mine else 1.0
+        np.testing.assert_allclose(miss[0], expected, rtol=1e-9, atol=1e-12)
+        assert table.requests_on(worker) == len(mine)

@@ -84,6 +84,7 @@ def test_topology_names_and_router_consumer() -> None:
         "ELDR_DECISIONS",
         "ELDR_LOAD",
         "ELDR_PROFILES",
+        "ELDR_FINISHED",
         "ELDR_PARTITIONS",
         "ELDR_DLQ",
     }

@@ -100,3 +100,41 @@ def test_assignments_to_unknown_workers_are_ignored() -> None:
 def test_bad_settings_are_rejected() -> None:
     with pytest.raises(ValueError, match="positive"):
         LoadTable(stale_after_s=0)
+
+
+def test_a_finish_retires_a_pending_assignment_and_outlives_a_late_decision() -> None:
+    t = LoadTable()
+    t.on_report(report("a", 1, running=2), now_s=0.0)
+    t.on_assignment("a", "r1", kv_tokens=50, now_s=0.1)
+    assert t.in_flight("a") == 3
+    assert t.on_finished("r1")
+    assert t.in_flight("a") == 2
+    assert t.was_finished("r1")
+    t.on_assignment("a", "r1", kv_tokens=50, now_s=0.2)  # another replica's, seen late
+    assert t.in_flight("a") == 2
+    assert not t.on_finished("never-assigned")
+    assert t.in_flight("nobody") is None
+
+
+def test_a_moved_request_is_pending_on_its_new_worker_with_its_kv() -> None:
+    t = LoadTable()
+    t.on_report(report("a", 1), now_s=0.0)
+    t.on_report(report("b", 1), now_s=0.0)
+    t.on_assignment("a", "r1", kv_tokens=50, now_s=0.1)
+    t.on_moved("r1", "b", now_s=0.2)
+    in_flight, kv = t.loads(["a", "b"])
+    assert in_flight.tolist() == [0, 1]
+    assert kv.tolist() == [0, 50]
+    # The first worker's report admitting it later must not resurrect anything.
+    t.on_report(report("a", 2, admitted=("r1",)), now_s=0.3)
+    assert t.loads(["a", "b"])[0].tolist() == [0, 1]
+    assert t.on_finished("r1")
+    assert t.loads(["a", "b"])[0].tolist() == [0, 0]
+
+
+def test_a_restarted_worker_forgets_what_was_pending_on_its_old_process() -> None:
+    t = LoadTable()
+    t.on_report(report("a", 1), now_s=0.0)
+    t.on_assignment("a", "r1", kv_tokens=5, now_s=0.1)
+    t.on_report(report("a", 1, inc="i2"), now_s=0.2)
+    assert not t.on_finished("r1")  # not pending any more: nothing to retire

@@ -138,3 +138,65 @@ def test_switching_to_a_bad_policy_keeps_the_old_one() -> None:
     with pytest.raises(ValueError, match="unknown policy"):
         rc.set_policy(PolicySpec(name="bogus"))
     assert rc.policy.name == "eldr"
+
+
+def demand_counts(expert: int) -> np.ndarray:
+    x = np.zeros((L, E), dtype=np.uint32)
+    x[:, expert] = 3
+    return x
+
+
+def test_activity_never_exceeds_in_flight_plus_slack_when_finishes_are_lost() -> None:
+    # A worker reporting 2 requests in flight holds at most 2 + slack entries however many
+    # assignments whose finish never arrives pile up (the oldest go first).
+    t = table(("a", 2))
+    rc = RouterCore(PolicySpec(name="eldr_cost"), t, np.random.default_rng(0), activity_slack=1)
+    for i in range(50):
+        rc.note_assignment("a", f"r{i}", demand_counts(i % E), 4, now_s=float(i))
+        t.on_report(
+            Report(
+                worker_id="a",
+                incarnation="x",
+                seq=2 + i,
+                running=2,
+                waiting=0,
+                kv_tokens=0,
+                admitted=(f"r{i}",),
+            ),
+            now_s=float(i),
+        )
+        rc.bound_activity("a")
+        assert rc.activity.requests_on("a") <= 2 + 1
+    assert "r49" in rc.activity
+    assert "r0" not in rc.activity
+
+
+def test_a_finished_request_leaves_both_tables_and_a_late_decision_is_ignored() -> None:
+    t = table(("a", 0), ("b", 0))
+    rc = RouterCore(PolicySpec(name="eldr_cost"), t, np.random.default_rng(0))
+    t.on_assignment("a", "r", 4, now_s=0.0)
+    rc.note_assignment("a", "r", demand_counts(1), 4, now_s=0.0)
+    assert t.in_flight("a") == 1
+    assert "r" in rc.activity
+    assert rc.note_finished("r")
+    assert t.in_flight("a") == 0
+    assert "r" not in rc.activity
+    rc.note_assignment("a", "r", demand_counts(1), 4, now_s=0.1)  # echo from another replica
+    assert "r" not in rc.activity
+    assert not rc.note_finished("r")
+
+
+def test_a_moved_request_leaves_its_first_worker_at_once() -> None:
+    t = table(("a", 0), ("b", 0))
+    rc = RouterCore(PolicySpec(name="eldr_cost"), t, np.random.default_rng(0))
+    t.on_assignment("a", "r", 4, now_s=0.0)
+    rc.note_assignment("a", "r", demand_counts(1), 4, now_s=0.0)
+    assert rc.note_moved("r", "b", now_s=0.1)
+    assert (t.in_flight("a"), t.in_flight("b")) == (0, 1)
+    assert rc.activity.worker_of("r") == "b"
+
+
+def test_an_unavailable_capture_routes_load_only_and_says_so() -> None:
+    rc = core("eldr_cost", 0.0, ("a", 3), ("b", 1))
+    out = rc.decide(RouteRequest("r", "m", 10, signature_error="no_capture"), now_s=0.0)
+    assert (out.worker_id, out.fallback) == ("b", "no_capture")

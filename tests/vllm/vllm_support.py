@@ -179,6 +179,7 @@ def small_retention() -> RetentionSettings:
         decisions_max_bytes=16 * mib,
         load_max_bytes=16 * mib,
         profiles_max_bytes=16 * mib,
+        finished_max_bytes=16 * mib,
         partitions_max_bytes=64 * mib,
         dlq_max_bytes=16 * mib,
         router_ack_wait_s=5.0,

@@ -28,6 +28,7 @@ PREFILL = "PREFILL"
 DECISIONS = "DECISIONS"
 LOAD = "LOAD"
 PROFILES = "PROFILES"
+FINISHED = "FINISHED"
 PARTITIONS = "PARTITIONS"
 DLQ = "DLQ"
 
@@ -101,6 +102,22 @@ class Subjects:
     def profiles_all(self) -> str:
         return self._s("profiles", "*")
 
+    def finished(self, gateway: str) -> str:
+        """Where a gateway publishes the `RequestFinished` events of the requests it proxied."""
+        return self._s("finished", subject_token(gateway, "gateway id"))
+
+    @property
+    def finished_all(self) -> str:
+        return self._s("finished", "*")
+
+    def capture(self, worker: str) -> str:
+        """Where an engine's capture plugin publishes its `CaptureStatus`."""
+        return self._s("capture", subject_token(worker, "worker id"))
+
+    @property
+    def capture_all(self) -> str:
+        return self._s("capture", "*")
+
     @property
     def partition_active(self) -> str:
         return self._s("partition", "active")
@@ -137,7 +154,7 @@ class Subjects:
             return "other"
         tokens = subject[len(prefix) :].split(".")
         head = tokens[0]
-        if head in ("blocks", "decisions", "load", "profiles", "dlq"):
+        if head in ("blocks", "decisions", "load", "profiles", "finished", "capture", "dlq"):
             return head
         if head == "prefill" and len(tokens) >= 2:
             return "prefill." + tokens[1]
@@ -277,6 +294,13 @@ def build_topology(namespace: str, retention: RetentionSettings) -> Topology:
             "Decode expert-count profiles of finished requests",
             max_age_s=r.profiles_max_age_s,
             max_bytes=r.profiles_max_bytes,
+        ),
+        stream(
+            FINISHED,
+            subjects.finished_all,
+            "Requests that left a decode worker, from the gateways (recorded core publishes)",
+            max_age_s=r.finished_max_age_s,
+            max_bytes=r.finished_max_bytes,
         ),
         stream(
             PARTITIONS,

@@ -19,14 +19,20 @@ Two pieces, both pure:
   = exp(-sum_j h_j[d]). Requests enter when they are assigned and leave when they finish
   (or after `ttl_s`, when their finish was never observed).
 
-What the live system can provide: the router already sees every decision of every replica
-(with the request's prefill counts) on the decisions stream, and each finished request's
-decode profile on the profiles stream, so the table is derivable without new messages;
-finishes arrive a little late (a profile is published after the last token), so the table
-slightly over-counts a worker's batch. What it cannot provide without a decode-side hook:
-the experts a batch *actually* activates step by step (that needs the capture plugin on
-the decode worker reporting per-step expert sets); the prediction from prefill counts is
-what is used here, in the simulator and in the router alike.
+What the live system provides: the router sees every decision of every replica (with the
+request's prefill counts) on the decisions stream, and learns that a request left its
+worker from the gateway's `RequestFinished` event (every request, capture or not) or from
+its decode profile (only where the capture plugin runs on the decode instance). Finishes
+arrive a little late (after the last token reached the gateway), so the table slightly
+over-counts a worker's batch; the prediction from prefill counts is what is used here, in
+the simulator and in the router alike.
+
+Bounded by construction: a lost finish must not make an entry immortal. The router caps
+each worker's entries at what its load reports and pending assignments say is in flight
+plus a small slack (`evict_over`: the worker's oldest entries go first), the whole table
+at `max_entries`, and every entry at `ttl_s` (a maximum decode duration). Without that, a
+worker's predicted union saturates at L x E after a few thousand unfinished entries and
+every worker costs the same.
 """
 
 from __future__ import annotations
@@ -131,8 +137,13 @@ def expert_demand(
     return ExpertDemand(layers, experts, base, idx.astype(np.int64), excess)
 
 
+def demand_nbytes(demand: ExpertDemand) -> int:
+    """Bytes a demand's arrays hold (what an activity entry costs beyond its key)."""
+    return int(demand.base.nbytes + demand.idx.nbytes + demand.excess.nbytes)
+
+
 class _WorkerActivity:
-    __slots__ = ("base", "dense", "dirty", "miss", "requests", "revision")
+    __slots__ = ("base", "dense", "dirty", "miss", "order", "requests", "revision")
 
     def __init__(self, layers: int, experts: int) -> None:
         self.dense = np.zeros(layers * experts, dtype=np.float64)
@@ -141,6 +152,12 @@ class _WorkerActivity:
         self.miss = np.ones(layers * experts, dtype=np.float64)
         self.dirty = False
         self.revision = 0
+        self.order: OrderedDict[str, None] = OrderedDict()
+        """This worker's request ids, oldest first (what `evict_over` drops first)."""
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.dense.nbytes + self.base.nbytes + self.miss.nbytes)
 
     def apply(self, demand: ExpertDemand, sign: float) -> None:
         self.dense[demand.idx] += sign * demand.excess
@@ -163,18 +180,35 @@ class _WorkerActivity:
         return self.miss
 
 
+DEFAULT_TTL_S = 130.0
+"""Default entry lifetime: a maximum decode duration (4,096 output tokens at 30 ms per
+token, about 123 s) plus a pending assignment's 10 s to be admitted, rounded down."""
+DEFAULT_MAX_ENTRIES = 65_536
+"""Default bound on the whole table (at ~16 KB per entry for 24 x 128 experts, ~1 GiB
+at the very worst; the per-worker in-flight cap keeps it far below in practice)."""
+
+
 class ActivityTable:
     """Per decode worker, the summed miss log-mass of its in-flight requests.
 
     One model geometry at a time: a demand of another geometry clears the table (a
     router serves one model; a partition of another model resets it anyway). Times are
-    seconds passed in by the caller.
+    seconds passed in by the caller. At most `max_entries` requests are held (the oldest
+    are evicted beyond); `evict_over` caps one worker's entries.
     """
 
-    def __init__(self, ttl_s: float = 600.0) -> None:
+    def __init__(
+        self, ttl_s: float = DEFAULT_TTL_S, max_entries: int = DEFAULT_MAX_ENTRIES
+    ) -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
         self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self.evicted_capacity = 0
+        """Entries evicted because the table was full (cumulative)."""
+        self._entry_bytes = 0
         self._shape: tuple[int, int] | None = None
         self._workers: dict[str, _WorkerActivity] = {}
         # Insertion order is assignment order (nearly time order): expiry pops the front.
@@ -200,8 +234,23 @@ class ActivityTable:
         state = self._workers.get(worker_id)
         return 0 if state is None else state.requests
 
+    def worker_of(self, request_id: str) -> str | None:
+        entry = self._entries.get(request_id)
+        return None if entry is None else entry[0]
+
+    def per_worker(self) -> dict[str, int]:
+        """Entries per worker (workers with none are absent)."""
+        return {w: s.requests for w, s in self._workers.items()}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the entries' demands and the per-worker sums (what the table's
+        memory grows with; Python object overhead not included)."""
+        return self._entry_bytes + sum(s.nbytes for s in self._workers.values())
+
     def add(self, worker_id: str, request_id: str, demand: ExpertDemand, now_s: float) -> bool:
-        """Count a request against its worker; False if it is already counted."""
+        """Count a request against its worker; False if it is already counted. Beyond
+        `max_entries` the oldest entry is evicted (`evicted_capacity`)."""
         if request_id in self._entries:
             return False
         shape = (demand.num_moe_layers, demand.num_experts)
@@ -212,7 +261,12 @@ class ActivityTable:
         if state is None:
             state = self._workers[worker_id] = _WorkerActivity(*shape)
         state.apply(demand, 1.0)
+        state.order[request_id] = None
         self._entries[request_id] = (worker_id, now_s, demand)
+        self._entry_bytes += demand_nbytes(demand)
+        while len(self._entries) > self.max_entries:
+            self.finish(next(iter(self._entries)))
+            self.evicted_capacity += 1
         return True
 
     def finish(self, request_id: str) -> bool:
@@ -221,18 +275,57 @@ class ActivityTable:
         if entry is None:
             return False
         worker_id, _, demand = entry
+        self._entry_bytes -= demand_nbytes(demand)
         state = self._workers[worker_id]
         state.apply(demand, -1.0)
+        del state.order[request_id]
         if state.requests == 0:
             del self._workers[worker_id]
         return True
 
+    def move(self, request_id: str, worker_id: str) -> bool:
+        """The request went to `worker_id` instead (a retry before it started): its
+        demand moves there, keeping its age. False if it was not counted."""
+        entry = self._entries.get(request_id)
+        if entry is None:
+            return False
+        old, ts_s, demand = entry
+        if old == worker_id:
+            return True
+        self.finish(request_id)
+        state = self._workers.get(worker_id)
+        if state is None:
+            state = self._workers[worker_id] = _WorkerActivity(
+                demand.num_moe_layers, demand.num_experts
+            )
+        state.apply(demand, 1.0)
+        state.order[request_id] = None
+        self._entries[request_id] = (worker_id, ts_s, demand)
+        self._entry_bytes += demand_nbytes(demand)
+        return True
+
+    def evict_over(self, worker_id: str, limit: int) -> int:
+        """Drop `worker_id`'s oldest entries until it holds at most `limit`; returns how
+        many were dropped (finishes that were never seen)."""
+        state = self._workers.get(worker_id)
+        if state is None:
+            return 0
+        dropped = 0
+        excess = state.requests - max(0, limit)
+        while excess > 0:
+            self.finish(next(iter(state.order)))
+            excess -= 1
+            dropped += 1
+        return dropped
+
     def remove_worker(self, worker_id: str) -> int:
         """Forget a worker that left and its requests; returns how many."""
-        gone = [rid for rid, (w, _, _) in self._entries.items() if w == worker_id]
+        state = self._workers.get(worker_id)
+        if state is None:
+            return 0
+        gone = list(state.order)
         for rid in gone:
-            del self._entries[rid]
-        self._workers.pop(worker_id, None)
+            self.finish(rid)
         return len(gone)
 
     def expire(self, now_s: float) -> int:
@@ -250,6 +343,7 @@ class ActivityTable:
     def clear(self) -> None:
         self._entries.clear()
         self._workers.clear()
+        self._entry_bytes = 0
         self._shape = None
         self._view = None
         self._view_workers = ()

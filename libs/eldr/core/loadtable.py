@@ -14,6 +14,11 @@ been sent its way since, whoever sent it, so N router replicas do not each see 1
 load and a burst between two reports is not invisible. A worker whose last report is older
 than `stale_after_s` leaves the table and gets no new requests until it reports again.
 
+A third input, the gateway's **finish events**, retires a pending assignment at once when
+the request ended (or moved to another worker) before any report admitted it, and is
+remembered for a while so that a decision seen after its own finish (another replica's,
+arriving late) is not counted.
+
 Times are monotonic seconds passed in by the caller (no clock reads here).
 """
 
@@ -28,6 +33,9 @@ import numpy as np
 RECENT_ADMITTED_MAX = 4096
 """Per worker, how many recently admitted request ids are remembered, so that an assignment
 seen after the report that already admitted it is not counted twice."""
+RECENT_FINISHED_MAX = 65_536
+"""How many finished request ids the table remembers (a decision for one of them arriving
+later is ignored)."""
 
 
 @dataclass
@@ -86,6 +94,9 @@ class LoadTable:
         self.stale_after_s = stale_after_s
         self.pending_ttl_s = pending_ttl_s
         self._workers: dict[str, WorkerState] = {}
+        self._pending_on: dict[str, str] = {}
+        """request id -> the worker it is pending on."""
+        self._finished: OrderedDict[str, None] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._workers)
@@ -110,6 +121,7 @@ class LoadTable:
         ):
             return False
         if state is None or state.incarnation != report.incarnation:
+            self.remove(report.worker_id)
             state = WorkerState(
                 worker_id=report.worker_id,
                 incarnation=report.incarnation,
@@ -130,7 +142,7 @@ class LoadTable:
         state.draining = report.draining
         state.last_report_s = now_s
         for rid in report.admitted:
-            state.drop_pending(rid)
+            self._drop_pending(state, rid)
             state.recent_admitted[rid] = None
             state.recent_admitted.move_to_end(rid)
         while len(state.recent_admitted) > RECENT_ADMITTED_MAX:
@@ -140,9 +152,51 @@ class LoadTable:
     def on_assignment(self, worker_id: str, request_id: str, kv_tokens: int, now_s: float) -> None:
         """Count a decision (from any router replica) against its worker until admitted."""
         state = self._workers.get(worker_id)
-        if state is None or request_id in state.recent_admitted:
+        if state is None or request_id in state.recent_admitted or request_id in self._finished:
             return
+        if self._pending_on.get(request_id, worker_id) != worker_id:
+            return  # already pending elsewhere (it moved): the later placement wins
         state.add_pending(request_id, now_s, kv_tokens)
+        self._pending_on[request_id] = worker_id
+
+    def _drop_pending(self, state: WorkerState, request_id: str) -> None:
+        if request_id in state.pending:
+            state.drop_pending(request_id)
+            self._pending_on.pop(request_id, None)
+
+    def was_finished(self, request_id: str) -> bool:
+        """Whether a finish event for the request was seen (recently)."""
+        return request_id in self._finished
+
+    def on_finished(self, request_id: str) -> bool:
+        """The request left its decode worker (a finish event): it stops counting as
+        pending and later assignments of it are ignored. True if it was pending."""
+        self._finished[request_id] = None
+        self._finished.move_to_end(request_id)
+        while len(self._finished) > RECENT_FINISHED_MAX:
+            self._finished.popitem(last=False)
+        worker_id = self._pending_on.pop(request_id, None)
+        if worker_id is None:
+            return False
+        state = self._workers.get(worker_id)
+        if state is not None:
+            state.drop_pending(request_id)
+        return True
+
+    def on_moved(self, request_id: str, to_worker: str, now_s: float) -> None:
+        """The request was sent to `to_worker` instead of where it was pending (a retry
+        before it started): it is pending there now, with the same KV tokens."""
+        kv_tokens = 0
+        worker_id = self._pending_on.pop(request_id, None)
+        if worker_id is not None and (state := self._workers.get(worker_id)) is not None:
+            kv_tokens = state.pending.get(request_id, (0.0, 0))[1]
+            state.drop_pending(request_id)
+        self.on_assignment(to_worker, request_id, kv_tokens, now_s)
+
+    def in_flight(self, worker_id: str) -> int | None:
+        """Running + waiting + pending of a worker in the table, else None."""
+        state = self._workers.get(worker_id)
+        return None if state is None else state.in_flight
 
     def expire(self, now_s: float) -> list[str]:
         """Drop stale workers and timed-out pending assignments; returns removed workers."""
@@ -150,7 +204,7 @@ class LoadTable:
             wid for wid, s in self._workers.items() if now_s - s.last_report_s > self.stale_after_s
         ]
         for wid in removed:
-            del self._workers[wid]
+            self.remove(wid)
         cutoff = now_s - self.pending_ttl_s
         for s in self._workers.values():
             if s.pending:
@@ -161,11 +215,14 @@ class LoadTable:
                         break
                     expired.append(rid)
                 for rid in expired:
-                    s.drop_pending(rid)
+                    self._drop_pending(s, rid)
         return removed
 
     def remove(self, worker_id: str) -> None:
-        self._workers.pop(worker_id, None)
+        state = self._workers.pop(worker_id, None)
+        if state is not None:
+            for rid in state.pending:
+                self._pending_on.pop(rid, None)
 
     def live_workers(self, now_s: float) -> tuple[str, ...]:
         """Workers that reported within stale_after_s and are not draining, sorted by id."""

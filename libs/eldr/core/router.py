@@ -17,8 +17,10 @@ give it traffic until the trainer refits for the new worker set.
 
 Cost-aware policies (`Policy.uses_activity`, e.g. "eldr_cost") also see, per worker, the
 experts its in-flight requests are predicted to activate (`RouterCore.activity`, fed by
-`note_assignment` for every replica's decisions and `note_finished` for decode profiles);
-`route` takes that view as `expert_miss`.
+`note_assignment` for every replica's decisions and `note_finished` for the gateway's
+finish events and decode profiles); `route` takes that view as `expert_miss`. The table
+is bounded per worker by what the load table says is in flight there
+(`bound_activity`), so a finish that is never seen cannot make an entry live forever.
 
 Replay: `route` is the whole decision as a pure function of its inputs (live workers and
 their loads, the partition, the request, the policy and a generator). `RouterCore.decide`
@@ -35,7 +37,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from eldr.core.activity import ActivityTable, ExpertDemand, estimate_top_k, expert_demand
+from eldr.core.activity import (
+    DEFAULT_MAX_ENTRIES,
+    DEFAULT_TTL_S,
+    ActivityTable,
+    ExpertDemand,
+    estimate_top_k,
+    expert_demand,
+)
 from eldr.core.loadtable import LoadTable
 from eldr.core.partition import Partition
 from eldr.core.policies import (
@@ -59,10 +68,12 @@ FALLBACK_REASONS = (
     "empty_signature",
     "no_live_worker_in_partition",
     "no_centroid",
+    "no_capture",
 )
 """Every value `RouteOutcome.fallback` can take (a bounded metric label)."""
 
 SIGNATURE_FALLBACKS = (
+    "no_capture",
     "no_signature",
     "signature_timeout",
     "signature_unavailable",
@@ -283,13 +294,20 @@ class RouterCore:
         table: LoadTable,
         rng: np.random.Generator,
         max_scores: int = 8,
-        activity_ttl_s: float = 600.0,
+        activity_ttl_s: float = DEFAULT_TTL_S,
+        activity_slack: int = 4,
+        activity_max_entries: int = DEFAULT_MAX_ENTRIES,
     ) -> None:
+        if activity_slack < 0:
+            raise ValueError(f"activity_slack must be >= 0, got {activity_slack}")
         self.table = table
         self.rng = rng
         self.max_scores = max_scores
-        self.activity = ActivityTable(ttl_s=activity_ttl_s)
+        self.activity = ActivityTable(ttl_s=activity_ttl_s, max_entries=activity_max_entries)
         """Per worker, the experts its in-flight requests are predicted to activate."""
+        self.activity_slack = activity_slack
+        """Entries a worker may hold beyond its in-flight count (timing between a finish
+        event, a load report and a decision echo)."""
         self._decided_demands: OrderedDict[str, ExpertDemand | None] = OrderedDict()
         """Demands `decide` computed, by request id, taken back when the assignment is
         noted (decisions are awaited concurrently: several can be between the two). The
@@ -323,7 +341,7 @@ class RouterCore:
         """A decision (any replica's) sent a request to a worker: count its experts there.
         A request already counted (this replica's own decision, seen again on the
         decisions stream) is left as it is."""
-        if request_id in self.activity:
+        if request_id in self.activity or self.table.was_finished(request_id):
             self._decided_demands.pop(request_id, None)
             return
         if request_id in self._decided_demands:
@@ -334,10 +352,38 @@ class RouterCore:
             )
         if demand is not None:
             self.activity.add(worker_id, request_id, demand, now_s)
+            self.bound_activity(worker_id)
 
-    def note_finished(self, request_id: str) -> None:
-        """A request finished decoding: its experts no longer load its worker's steps."""
-        self.activity.finish(request_id)
+    def note_finished(self, request_id: str) -> bool:
+        """A request left its decode worker (finish event or decode profile): it no
+        longer loads that worker's steps or queue. True if it was tracked anywhere."""
+        pending = self.table.on_finished(request_id)
+        active = self.activity.finish(request_id)
+        self._decided_demands.pop(request_id, None)
+        return pending or active
+
+    def note_moved(self, request_id: str, worker_id: str, now_s: float) -> bool:
+        """The request went to `worker_id` instead (the gateway retried before it
+        started): it leaves its first worker's tables at once. True if it was tracked."""
+        self.table.on_moved(request_id, worker_id, now_s)
+        moved = self.activity.move(request_id, worker_id)
+        if moved:
+            self.bound_activity(worker_id)
+        return moved
+
+    def activity_limit(self, worker_id: str) -> int | None:
+        """Most activity entries `worker_id` may hold: its in-flight requests (last report
+        plus pending assignments) plus `activity_slack`. None for a worker not in the load
+        table (not reported yet, e.g. just after this replica started: its entries are
+        bounded by the TTL and the table's size, and leave with the worker)."""
+        in_flight = self.table.in_flight(worker_id)
+        return None if in_flight is None else in_flight + self.activity_slack
+
+    def bound_activity(self, worker_id: str) -> int:
+        """Evict `worker_id`'s oldest activity entries beyond `activity_limit`; returns
+        how many (requests whose finish this replica never saw)."""
+        limit = self.activity_limit(worker_id)
+        return 0 if limit is None else self.activity.evict_over(worker_id, limit)
 
     def decide(self, req: RouteRequest, now_s: float) -> RouteOutcome:
         live = self.table.live_workers(now_s)

@@ -7,7 +7,7 @@ what a field means and its unit. Evolution rule: append fields with defaults, bu
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -50,6 +50,17 @@ from eldr.wire.base import (
 AttrKey = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 AttrValue = Annotated[str, msgspec.Meta(max_length=MAX_ATTR_VALUE_LEN)]
 ParamValue = FiniteFloat | int | Annotated[str, msgspec.Meta(max_length=MAX_ID_LEN)]
+CaptureOutcome = Literal["captured", "inexact", "unavailable"]
+"""How a PrefillDone's signature was captured: "captured" (exact), "inexact" (a cache hit
+inside the trailing partial block: the computed counts miss those tokens), "unavailable"
+(nothing was captured: no block hashes, no counts; routers route load-only at once)."""
+FinishReason = Literal["stop", "length", "abort", "error", "moved"]
+"""Why a request left a decode worker (`RequestFinished`): the decode finished ("stop",
+"length"), the client went away ("abort"), the decode failed ("error"), or the request was
+sent to another worker before it started ("moved")."""
+CaptureState = Literal["ok", "off", "failed"]
+"""What a capture plugin can do for one role: "ok", "off" (not configured for it),
+"failed" (configured but cannot capture; `CaptureStatus.reason` says why)."""
 ScoredWorker = tuple[Token, FiniteFloat]
 WorkerLoads = tuple[Token, Count, Count]
 """(worker, in-flight requests, KV tokens)."""
@@ -109,11 +120,11 @@ class BlockSummaryBatch(Message, frozen=True, tag="block_summary_batch"):
             _require_shape(block.counts, self.num_moe_layers, self.num_experts, f"blocks[{i}]")
 
 
-class PrefillDone(Message, frozen=True, tag="prefill_done"):
+class PrefillDone(Message, frozen=True, kw_only=True, tag="prefill_done"):
     """A request finished prefill and waits for a decode worker.
 
     Published on `{ns}.prefill.done.{prefill_worker}` (stream PREFILL); consumed by one
-    router replica through the durable consumer `router`.
+    router replica through the durable consumer `router`. v2 added `capture`.
     """
 
     request_id: Ident
@@ -148,6 +159,11 @@ class PrefillDone(Message, frozen=True, tag="prefill_done"):
     prefix plus the trailing partial block. When set, a router adds the signature service's
     sum over the cached prefix only (none at all when nothing was cached); when None, it
     asks for every block and adds `partial`."""
+    capture: CaptureOutcome = "captured"
+    """Whether the producer captured the prompt's routing (`CaptureOutcome`). With
+    "unavailable" (a prefill instance whose capture is off or failed, reported by the
+    gateway) the event carries no block hashes and no counts."""
+    v: Version = 2
 
     def __post_init__(self) -> None:
         require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
@@ -156,6 +172,12 @@ class PrefillDone(Message, frozen=True, tag="prefill_done"):
             f"cached_prefix_blocks {self.cached_prefix_blocks} > {len(self.block_hashes)} blocks",
         )
         _require_shape(self.computed, self.num_moe_layers, self.num_experts, "computed")
+        if self.capture == "unavailable":
+            require(
+                not self.block_hashes and self.computed is None and self.partial is None,
+                "a PrefillDone with capture 'unavailable' carries no block hashes or counts",
+            )
+            return
         require(
             len(self.block_hashes) == self.n_prompt_tokens // self.block_size,
             f"{len(self.block_hashes)} block hashes for {self.n_prompt_tokens} prompt tokens "
@@ -293,6 +315,78 @@ class DecodeProfile(Message, frozen=True, tag="decode_profile"):
     """Decode expert counts [L, E] over all generated tokens."""
     tpot_s: DurationS | None = None
     """Mean time per output token, seconds, if measured."""
+
+
+class RequestFinished(Message, frozen=True, tag="request_finished"):
+    """A request left a decode worker, as the gateway that proxied it saw it.
+
+    Core publish on `{ns}.finished.{gateway_id}`, recorded by stream FINISHED. Every
+    request the gateway sent to a decode worker ends in exactly one event with a final
+    reason (stop, length, abort, error); a request moved to another worker before it
+    started there adds one "moved" event per move. Routers drop the request from their
+    load and activity tables, the trainer marks it finished; a decode profile is not
+    needed for either.
+    """
+
+    request_id: Ident
+    gateway_id: Token
+    """The publishing gateway (the subject's last token)."""
+    ts_s: TimestampS
+    """When the gateway saw the end, Unix seconds."""
+    reason: FinishReason
+    worker_id: Token | None
+    """The decode worker the request ran on (or left, for "moved"); None when the request
+    never reached one (e.g. every decode attempt failed to connect)."""
+    moved_to: Token | None = None
+    """For "moved": the worker the request was sent to instead."""
+    output_tokens: Count | None = None
+    """Tokens the decode returned, when the response said (usage, or streamed chunks)."""
+    decode_s: DurationS | None = None
+    """From sending the request to the decode worker to the end of its response."""
+
+    def __post_init__(self) -> None:
+        if self.reason == "moved":
+            require(
+                self.worker_id is not None and self.moved_to is not None,
+                "a 'moved' RequestFinished names worker_id and moved_to",
+            )
+        else:
+            require(self.moved_to is None, f"moved_to is set but the reason is {self.reason!r}")
+
+
+class CaptureStatus(Message, frozen=True, tag="capture_status"):
+    """What an engine's ELDR capture plugin can do, on `{ns}.capture.{worker_id}` (core).
+
+    Published when the plugin decides (at model load), whenever a state changes, and every
+    `interval_s`. The gateway routes load-only at once for a prefill instance whose
+    prefill capture is not "ok" (or that sends no status), instead of waiting for a
+    decision that cannot come.
+    """
+
+    worker_id: Token
+    """The engine's ELDR worker id (prefill worker, or decode worker as decisions name it)."""
+    incarnation: Ident
+    """New per engine process."""
+    seq: U64
+    """+1 per status of this incarnation."""
+    ts_s: TimestampS
+    interval_s: DurationS
+    """The next status comes within this; receivers treat 3x as silence."""
+    prefill_capture: CaptureState
+    """Block summaries and PrefillDone for the prompts this engine computes."""
+    decode_profiles: CaptureState
+    """DecodeProfile for the requests this engine decodes."""
+    reason: Text | None = None
+    """Why a state is "failed" (or why it is "off"), in words."""
+    model: Ident | None = None
+    num_moe_layers: NumMoeLayers | None = None
+    num_experts: NumExperts | None = None
+    top_k: Positive | None = None
+    vllm_version: Ident | None = None
+    runner: Ident | None = None
+    """The model runner class the plugin hooked (e.g. "CPUModelRunner")."""
+    steps_rejected: Count = 0
+    """Engine steps whose captured rows failed validation since the engine started."""
 
 
 # --- partitions ---------------------------------------------------------------------------
@@ -436,7 +530,7 @@ class RefitReply(Message, frozen=True, tag="refit_reply"):
 # --- simulated workers (development and tests; `eldr_services.simprefill/simdecode`) -----
 
 
-class DecodeJob(Message, frozen=True, tag="decode_job"):
+class DecodeJob(Message, frozen=True, kw_only=True, tag="decode_job"):
     """Simulated gateway -> simulated decode worker: decode this request.
 
     Core request on `{ns}.sim.decode.{worker_id}`; the worker answers `DecodeJobAck` at once
@@ -451,6 +545,10 @@ class DecodeJob(Message, frozen=True, tag="decode_job"):
     """int16 [decode_tokens, moe_layers, top_k]: the experts each decode token routes to."""
     label: Annotated[str, msgspec.Meta(max_length=MAX_ID_LEN)] = ""
     """Workload label (e.g. the trace's subject), for statistics."""
+    done_to: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)] | None = None
+    """Inbox that gets a `DecodeJobDone` when the request ends (the simulated end of the
+    decode response, which a real gateway sees when the stream closes). v2."""
+    v: Version = 2
 
     def __post_init__(self) -> None:
         require(
@@ -464,6 +562,16 @@ class DecodeJobAck(Message, frozen=True, tag="decode_job_ack"):
     request_id: Ident
     accepted: bool
     reason: Text | None = None
+
+
+class DecodeJobDone(Message, frozen=True, tag="decode_job_done"):
+    """Simulated decode worker -> the job's `done_to`: the request's decode ended."""
+
+    request_id: Ident
+    worker_id: Token
+    reason: Literal["length", "abort"]
+    """"length": it decoded all its tokens; "abort": dropped unfinished (shutdown)."""
+    output_tokens: Count
 
 
 class SimStatsRequest(Message, frozen=True, tag="sim_stats_request"):
@@ -522,6 +630,8 @@ ALL_MESSAGE_TYPES: tuple[type[Message], ...] = (
     Decision,
     LoadReport,
     DecodeProfile,
+    RequestFinished,
+    CaptureStatus,
     PartitionAnnouncement,
     PartitionBlob,
     RouterControl,
@@ -530,6 +640,7 @@ ALL_MESSAGE_TYPES: tuple[type[Message], ...] = (
     RefitReply,
     DecodeJob,
     DecodeJobAck,
+    DecodeJobDone,
     SimStatsRequest,
     SimStats,
     DeadLetter,
