@@ -12,6 +12,12 @@ or the newest N) and then what a replay needs around it:
   blobs of the versions the decisions used, the versions announced during the window and
   the one in force when it began.
 
+Reading is read-only: nothing is published (the reads are ephemeral ordered consumers,
+deleted when they finish). A stored record that does not decode is not dead-lettered but
+left out and counted in `UndecodableRecords` (per stream: how many, the first sequence and
+its error), which `read_events` also turns into a note of the log, so an export says what
+it lacks.
+
 `import_events` publishes a log into the bus's namespace (streams and bucket created if
 needed): blobs first, then events, each on the subject its message belongs to in that
 namespace. Import into a namespace no services run in: routers there would act on the
@@ -32,6 +38,7 @@ from eldr.bus import (
     Delivery,
     NotFoundError,
     Topology,
+    Undecodable,
     apply_topology,
     build_topology,
     stream_name,
@@ -63,6 +70,45 @@ class SourceError(RuntimeError):
     """The namespace cannot be read (no such stream, timeout); says what to check."""
 
 
+@dataclass
+class UndecodableStream:
+    """Records of one stream that did not decode."""
+
+    count: int = 0
+    first_seq: int = 0
+    first_subject: str = ""
+    first_error: str = ""
+
+
+@dataclass
+class UndecodableRecords:
+    """Stored records a read left out because they do not decode, by stream name."""
+
+    streams: dict[str, UndecodableStream] = field(default_factory=dict)
+
+    def add(self, record: Undecodable) -> None:
+        seen = self.streams.get(record.stream)
+        if seen is None:
+            seen = self.streams[record.stream] = UndecodableStream(
+                first_seq=record.stream_seq,
+                first_subject=record.subject,
+                first_error=record.error,
+            )
+        seen.count += 1
+
+    @property
+    def total(self) -> int:
+        return sum(s.count for s in self.streams.values())
+
+    def lines(self) -> list[str]:
+        """One line per stream: `DECISIONS: 200 undecodable, first at seq 17 (subject): error`."""
+        return [
+            f"{stream}: {s.count:,} undecodable record(s) left out, the first at seq "
+            f"{s.first_seq} ({s.first_subject}): {s.first_error}"
+            for stream, s in sorted(self.streams.items())
+        ]
+
+
 async def _read_stream(
     bus: Bus,
     suffix: str,
@@ -73,14 +119,23 @@ async def _read_stream(
     stop: Callable[[EventMessage, Delivery], bool] = lambda _m, _d: False,
     keep: Callable[[EventMessage, Delivery], bool] = lambda _m, _d: True,
     done: Callable[[], bool] = lambda: False,
+    undecodable: UndecodableRecords | None = None,
+    counts: Callable[[Undecodable], bool] = lambda _u: True,
     timeout_s: float,
 ) -> list[Event]:
     """Events of one stream from a start point until `stop` says so or the stream's end
-    (as it was when the read began)."""
+    (as it was when the read began). Records that do not decode are counted in
+    `undecodable` (a throwaway tally if None) when `counts` says they belong to the read,
+    never dead-lettered."""
     stream = stream_name(bus.subjects.namespace, suffix)
     message_type = MESSAGE_TYPES[suffix]
     events: list[Event] = []
     finished = asyncio.Event()
+    tally = undecodable if undecodable is not None else UndecodableRecords()
+
+    def on_undecodable(record: Undecodable) -> None:
+        if not finished.is_set() and counts(record):
+            tally.add(record)
 
     async def on(message: Message, delivery: Delivery) -> None:
         if finished.is_set():
@@ -111,6 +166,7 @@ async def _read_stream(
             start_seq=start_seq,
             start_time_s=start_time_s,
             stop_at_end=True,
+            on_undecodable=on_undecodable,
         )
     except NotFoundError as exc:
         raise SourceError(
@@ -130,8 +186,14 @@ async def _read_stream(
     return events
 
 
-async def read_decisions(bus: Bus, selection: Selection, timeout_s: float) -> list[Event]:
-    """The decisions `selection` names, in stream order."""
+async def read_decisions(
+    bus: Bus,
+    selection: Selection,
+    timeout_s: float,
+    undecodable: UndecodableRecords | None = None,
+) -> list[Event]:
+    """The decisions `selection` names, in stream order (undecodable ones counted in
+    `undecodable`)."""
     start_seq = selection.start_seq
     if selection.last is not None:
         try:
@@ -151,6 +213,14 @@ async def read_decisions(bus: Bus, selection: Selection, timeout_s: float) -> li
     def keep(_m: EventMessage, d: Delivery) -> bool:
         return selection.since_s is None or (d.timestamp_s or 0.0) >= selection.since_s
 
+    def in_window(u: Undecodable) -> bool:
+        ts_s = u.timestamp_s or 0.0
+        return not (
+            (selection.end_seq is not None and u.stream_seq > selection.end_seq)
+            or (selection.until_s is not None and ts_s > selection.until_s)
+            or (selection.since_s is not None and ts_s < selection.since_s)
+        )
+
     return await _read_stream(
         bus,
         DECISIONS,
@@ -159,6 +229,8 @@ async def read_decisions(bus: Bus, selection: Selection, timeout_s: float) -> li
         start_time_s=start_time,
         stop=stop,
         keep=keep,
+        undecodable=undecodable,
+        counts=in_window,
         timeout_s=timeout_s,
     )
 
@@ -172,17 +244,25 @@ async def read_events(
     load_margin_s: float = DEFAULT_LOAD_MARGIN_S,
     profile_lag_s: float = DEFAULT_PROFILE_LAG_S,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    undecodable: UndecodableRecords | None = None,
 ) -> EventLog:
-    """The decisions `selection` names and the events around them (see the module doc)."""
+    """The decisions `selection` names and the events around them (see the module doc).
+    Records that do not decode are left out, counted in `undecodable` and noted in the
+    log."""
     ns = bus.subjects.namespace
     notes: list[str] = []
-    decisions = await read_decisions(bus, selection, timeout_s)
+    skipped = undecodable if undecodable is not None else UndecodableRecords()
+    decisions = await read_decisions(bus, selection, timeout_s, skipped)
     stored = [e.stored_ts_s for e in decisions if e.stored_ts_s is not None]
     t0 = min(stored) if stored else None
     t1 = max(stored) if stored else None
     events: list[Event] = list(decisions)
     announcements = await _read_stream(
-        bus, PARTITIONS, bus.subjects.partition_active, timeout_s=timeout_s
+        bus,
+        PARTITIONS,
+        bus.subjects.partition_active,
+        undecodable=skipped,
+        timeout_s=timeout_s,
     )
     events += announcements
     if t0 is not None and t1 is not None and load_reports:
@@ -197,6 +277,7 @@ async def read_events(
             bus.subjects.load_all,
             start_time_s=t0 - load_margin_s,
             stop=past_window,
+            undecodable=skipped,
             timeout_s=timeout_s,
         )
         if not reports:
@@ -228,8 +309,10 @@ async def read_events(
             stop=past_horizon,
             keep=ours,
             done=lambda: len(found) == len(wanted),
+            undecodable=skipped,
             timeout_s=timeout_s,
         )
+    notes += skipped.lines()
     event_log = EventLog(
         namespace=ns,
         events=events,

@@ -12,8 +12,13 @@ along. WHAT-IF: `--policy`, `--tau`, `--load-measure`, `--param NAME=VALUE`,
 `--partition VERSION|FILE`. NATS settings come from the environment (`ELDR_NATS_URL`,
 `ELDR_NAMESPACE`, ...). See docs/REPLAY.md for a whole debugging session.
 
+`eldr export` only reads: it publishes nothing (no dead letters either). Stored records
+that do not decode are left out of the file, and it says how many and where the first one
+is, on stderr and as a note in the file.
+
 Exit status: 0 on success; 1 on an error (unreachable NATS, a damaged file, an unknown
-request id); 3 when `eldr replay` could not reproduce every recorded decision.
+request id); 3 when `eldr replay` could not reproduce every recorded decision; 4 when
+`eldr export` wrote its file but left undecodable records out.
 """
 
 from __future__ import annotations
@@ -30,12 +35,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from eldr.bus import Bus
     from eldr.core.partition import Partition
+    from eldr.event_source import UndecodableRecords
     from eldr.eventlog import EventLog, Selection
     from eldr.replay import ReplayReport
 
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_NOT_REPRODUCED = 3
+EXIT_INCOMPLETE = 4
 DEFAULT_LAST = 10_000
 
 _AGE = re.compile(r"^-?\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)(?:\s+ago)?$")
@@ -241,7 +248,9 @@ def _load_file(command: str, path: Path) -> EventLog | str:
         return f"cannot read {path}: {exc.strerror or exc}"
 
 
-async def _read_from_nats(command: str, args: argparse.Namespace) -> EventLog:
+async def _read_from_nats(
+    command: str, args: argparse.Namespace, undecodable: UndecodableRecords | None = None
+) -> EventLog:
     from eldr.event_source import read_events
 
     bus = await _connect(command)
@@ -252,6 +261,7 @@ async def _read_from_nats(command: str, args: argparse.Namespace) -> EventLog:
             load_reports=not args.no_load_reports,
             profile_lag_s=args.profile_lag,
             timeout_s=args.timeout,
+            undecodable=undecodable,
         )
     finally:
         await bus.drain()
@@ -281,12 +291,27 @@ def _counts_line(counts: dict[str, int]) -> str:
     return ", ".join(f"{n:,} {k.replace('_', ' ')}" for k, n in counts.items())
 
 
+def _report_undecodable(undecodable: UndecodableRecords) -> None:
+    if not undecodable.total:
+        return
+    print(
+        f"eldr export: {undecodable.total:,} stored record(s) could not be decoded and are "
+        "not in the file (nothing was dead-lettered):",
+        file=sys.stderr,
+    )
+    for line in undecodable.lines():
+        print(f"  {line}", file=sys.stderr)
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
+    from eldr.event_source import UndecodableRecords
     from eldr.eventlog import write_event_file
 
-    event_log = _run_nats("export", _read_from_nats("export", args))
+    undecodable = UndecodableRecords()
+    event_log = _run_nats("export", _read_from_nats("export", args, undecodable))
     if event_log is None:
         return EXIT_ERROR
+    _report_undecodable(undecodable)
     if not event_log.decisions:
         return _fail(
             "export",
@@ -303,7 +328,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     print(f"  {_counts_line(event_log.counts())}")
     for note in event_log.notes:
         print(f"  note: {note}")
-    return EXIT_OK
+    return EXIT_INCOMPLETE if undecodable.total else EXIT_OK
 
 
 def _cmd_import(args: argparse.Namespace) -> int:

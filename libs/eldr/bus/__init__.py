@@ -18,6 +18,7 @@ from eldr.bus.client import (
     Service,
     StreamState,
     Subscription,
+    Undecodable,
 )
 from eldr.bus.errors import (
     AlreadyExists,
@@ -71,6 +72,7 @@ __all__ = [
     "Topology",
     "TopologyChange",
     "TopologyError",
+    "Undecodable",
     "apply_topology",
     "build_topology",
     "delete_topology",

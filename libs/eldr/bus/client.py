@@ -98,6 +98,19 @@ class Delivery:
 
 
 @dataclass(frozen=True)
+class Undecodable:
+    """A stored message that a replay could not decode, reported instead of dead-lettered
+    (`Bus.replay(on_undecodable=...)`, for readers that must not write, e.g. `eldr export`)."""
+
+    subject: str
+    stream: str
+    stream_seq: int
+    timestamp_s: float | None
+    payload_size_bytes: int
+    error: str
+
+
+@dataclass(frozen=True)
 class PublishAck:
     stream: str
     seq: int
@@ -642,12 +655,16 @@ class Bus:
         start_seq: int | None = None,
         start_time_s: float | None = None,
         stop_at_end: bool = False,
+        on_undecodable: Callable[[Undecodable], None] | None = None,
     ) -> Replay:
         """Deliver the messages of `stream` matching `subject_filter` in order, from
         `start_seq` or `start_time_s` (default: the first), then live ones.
 
         The returned `Replay` sets `caught_up` once the messages present at the start have
-        been handled; with `stop_at_end` it then stops (and sets `finished`).
+        been handled; with `stop_at_end` it then stops (and sets `finished`). A message
+        that does not decode is counted (`rejected`, reason `invalid` / `too_large`) and
+        dead-lettered, or, with `on_undecodable`, handed to that callback instead: nothing
+        is published (read-only readers).
         """
         if start_seq is not None and start_time_s is not None:
             raise ValueError("give start_seq or start_time_s, not both")
@@ -658,7 +675,9 @@ class Bus:
         elif start_time_s is not None:
             config.deliver_policy = api.DeliverPolicy.BY_START_TIME
             config.opt_start_time = dt.datetime.fromtimestamp(start_time_s, tz=dt.UTC)
-        replay: Replay = Replay(self, stream, subject_filter, message_type, handler, stop_at_end)
+        replay: Replay = Replay(
+            self, stream, subject_filter, message_type, handler, stop_at_end, on_undecodable
+        )
         with _translated(f"replay {stream} {subject_filter}"):
             replay.sub = await self._js.subscribe(
                 subject_filter,
@@ -1188,8 +1207,10 @@ class Replay(_Handle, Generic[M]):
         message_type: type[M],
         handler: Handler[M],
         stop_at_end: bool,
+        on_undecodable: Callable[[Undecodable], None] | None = None,
     ) -> None:
         self._bus = bus
+        self._on_undecodable = on_undecodable
         self.stream = stream
         self.subject_filter = subject_filter
         self._message_type = message_type
@@ -1238,16 +1259,31 @@ class Replay(_Handle, Generic[M]):
         try:
             message = bus._decode_inbound(msg.data, self._message_type, family)
         except WireError as exc:
-            log.warning(
-                "replay %s seq %d: invalid message: %s", self.stream, meta.sequence.stream, exc
-            )
-            await bus._dead_letter(
-                msg,
-                error=str(exc),
-                stream=meta.stream,
-                stream_seq=meta.sequence.stream,
-                num_delivered=meta.num_delivered,
-            )
+            if self._on_undecodable is not None:
+                log.debug(
+                    "replay %s seq %d: invalid message: %s", self.stream, meta.sequence.stream, exc
+                )
+                self._on_undecodable(
+                    Undecodable(
+                        subject=msg.subject,
+                        stream=meta.stream,
+                        stream_seq=meta.sequence.stream,
+                        timestamp_s=meta.timestamp.timestamp(),
+                        payload_size_bytes=len(msg.data),
+                        error=_one_line(str(exc), MAX_TEXT_LEN),
+                    )
+                )
+            else:
+                log.warning(
+                    "replay %s seq %d: invalid message: %s", self.stream, meta.sequence.stream, exc
+                )
+                await bus._dead_letter(
+                    msg,
+                    error=str(exc),
+                    stream=meta.stream,
+                    stream_seq=meta.sequence.stream,
+                    num_delivered=meta.num_delivered,
+                )
         else:
             started = time.perf_counter()
             try:
