@@ -34,6 +34,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Awaitable
 from typing import Any
 
 import aiohttp
@@ -45,7 +46,18 @@ from eldr.bus import BusError, Delivery, build_topology
 from eldr.bus.topology import DECISIONS
 from eldr.runtime import ServiceContext, service_main
 from eldr.vllm.capture import Geometry
-from eldr.vllm.gateway import DecisionWaiters, InFlight, response_sources
+from eldr.vllm.gateway import (
+    CaptureStates,
+    DecisionWaiters,
+    FinishTracker,
+    InFlight,
+    StreamTally,
+    prompt_tokens_of,
+    response_outcome,
+    response_sources,
+    unavailable_prefill_done,
+)
+from eldr.vllm.moe_layers import moe_layer_ids, parse_layer_ids, text_config
 from eldr.vllm.pd import (
     REQUEST_ID_HEADER,
     BadRequestError,
@@ -60,8 +72,9 @@ from eldr.vllm.pd import (
     request_outcome,
     response_headers,
 )
-from eldr.vllm.sources import RETURN_FIELDS, ResponseSource, SourceError
-from eldr.wire import Decision
+from eldr.vllm.sources import RETURN_FIELDS, LayerMap, ResponseSource, SourceError
+from eldr.wire import CaptureStatus, Decision, RequestFinished
+from eldr.wire.messages import FinishReason
 
 from .settings import GatewaySettings
 
@@ -117,6 +130,39 @@ class GatewayMetrics:
             ["role", "instance"],
             registry=r,
         )
+        self.finish_events = Counter(
+            "eldr_gateway_finish_events_total",
+            "RequestFinished events published, by reason (stop, length, abort, error, "
+            "moved; unpublished when the publish failed).",
+            ["reason"],
+            registry=r,
+        )
+        self.client_aborts = Counter(
+            "eldr_gateway_client_aborts_total",
+            "Streams the client broke off (the decode request was cancelled upstream).",
+            registry=r,
+        )
+        self.prefill_capture = Gauge(
+            "eldr_gateway_prefill_capture",
+            "1 while the prefill instance's capture plugin says it captures; 0 while its "
+            "requests are routed load-only (capture off, failed, or silent).",
+            ["instance"],
+            registry=r,
+        )
+        self.capture_fallbacks = Counter(
+            "eldr_gateway_capture_fallbacks_total",
+            "Requests routed load-only at once because their prefill could not be captured "
+            "(capture_off, capture_failed, no_capture_status, capture_stale).",
+            ["reason"],
+            registry=r,
+        )
+        self.capture_status = Counter(
+            "eldr_gateway_capture_status_total",
+            "Capture statuses received (ok; other_instance: not one of ours; mismatch: the "
+            "worker id is not the subject's).",
+            ["outcome"],
+            registry=r,
+        )
 
 
 class Gateway:
@@ -136,6 +182,12 @@ class Gateway:
         self.requests = InFlight()
         self.response_sources: dict[str, ResponseSource] = {}
         """Per prefill instance, when the gateway publishes the prefill's routing itself."""
+        self.capture = CaptureStates(
+            self.prefills,
+            started_s=time.monotonic(),
+            grace_s=s.gateway_capture_grace_s,
+        )
+        self._capture_said: dict[str, str | None] = {}
 
     # --- decisions ------------------------------------------------------------------------
 
@@ -200,26 +252,40 @@ class Gateway:
         body: dict[str, Any],
         request_id: str,
         candidates: list[str],
+        finish: FinishTracker,
     ) -> web.StreamResponse:
-        """Send the request to the first candidate that answers; stream its answer."""
+        """Send the request to the first candidate that answers; stream its answer. Every
+        move to the next candidate and the end of the request become finish events."""
         attempts = candidates[: self.settings.gateway_max_decode_attempts]
         last_error = "no decode instance"
+        previous: str | None = None
         for n, name in enumerate(attempts):
             if n:
                 self.metrics.decode_retries.inc()
+            if previous is not None:
+                await self._publish_finish(finish.moved(previous, name))
+            previous = name
             self.decode_picker.acquire(name)
             try:
-                return await self._decode_once(request, path, body, request_id, name)
+                return await self._decode_once(request, path, body, request_id, name, finish)
             except UpstreamError as exc:
                 last_error = str(exc)
                 log.warning("decode %s failed for %s before streaming: %s", name, request_id, exc)
             finally:
                 self.decode_picker.release(name)
+        await self._publish_finish(finish.finished(previous, "error"))
         raise UpstreamError(last_error)
 
     async def _decode_once(
-        self, request: web.Request, path: str, body: dict[str, Any], request_id: str, name: str
+        self,
+        request: web.Request,
+        path: str,
+        body: dict[str, Any],
+        request_id: str,
+        name: str,
+        finish: FinishTracker,
     ) -> web.StreamResponse:
+        started = time.perf_counter()
         try:
             resp = await self.session.post(
                 self.decoders[name] + path,
@@ -229,30 +295,73 @@ class Gateway:
             )
         except (aiohttp.ClientConnectionError, TimeoutError) as exc:
             raise UpstreamError(f"{name}: {exc}") from exc
-        async with resp:
-            if resp.status >= 500:
-                text = (await resp.read())[:500].decode("utf-8", "replace")
-                raise UpstreamError(f"{name}: HTTP {resp.status}: {text}")
-            headers = response_headers(resp.headers.items(), request_id, name)
-            if not body.get("stream") or resp.status != 200:
-                payload = await resp.read()
-                return web.Response(body=payload, status=resp.status, headers=headers)
-            out = web.StreamResponse(status=resp.status, headers=headers)
-            first = True
-            try:
-                async for chunk in resp.content.iter_any():
-                    if first:
-                        await out.prepare(request)
-                        first = False
-                    await out.write(chunk)
-            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
-                if first:
-                    raise UpstreamError(f"{name}: {exc}") from exc
-                log.warning("decode %s broke off %s mid-stream: %s", name, request_id, exc)
-            if first:
-                await out.prepare(request)
-            await out.write_eof()
-            return out
+        reason: FinishReason = "error"
+        tokens: int | None = None
+        answered = False
+        """Set once this worker took the request (no 5xx, no failure before the first
+        byte): from then on its end is this request's final finish event."""
+        try:
+            async with resp:
+                if resp.status >= 500:
+                    text = (await resp.read())[:500].decode("utf-8", "replace")
+                    raise UpstreamError(f"{name}: HTTP {resp.status}: {text}")
+                headers = response_headers(resp.headers.items(), request_id, name)
+                if not body.get("stream") or resp.status != 200:
+                    answered = True
+                    payload = await resp.read()
+                    if resp.status == 200:
+                        reason, tokens = response_outcome(payload)
+                    return web.Response(body=payload, status=resp.status, headers=headers)
+                out = web.StreamResponse(status=resp.status, headers=headers)
+                tally = StreamTally()
+                try:
+                    async for chunk in resp.content.iter_any():
+                        tally.feed(chunk)
+                        if not answered:
+                            answered = True
+                            await _to_client(out.prepare(request))
+                        await _to_client(out.write(chunk))
+                    reason = tally.finish_reason or "stop"
+                    tokens = tally.output_tokens
+                    if not answered:
+                        answered = True
+                        await _to_client(out.prepare(request))
+                    await _to_client(out.write_eof())
+                except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+                    # Reading the upstream failed (writes to the client raise _ClientGone).
+                    if not answered:
+                        raise UpstreamError(f"{name}: {exc}") from exc
+                    log.warning("decode %s broke off %s mid-stream: %s", name, request_id, exc)
+                    tokens = tally.output_tokens
+                except (_ClientGone, asyncio.CancelledError):
+                    # The client went away mid-stream: leaving `async with resp` closes
+                    # the upstream connection, which makes vLLM abort the request.
+                    if reason == "error":  # not after the upstream had finished
+                        reason, tokens = "abort", tally.output_tokens
+                    answered = True
+                    self.metrics.client_aborts.inc()
+                    raise
+                return out
+        finally:
+            if answered:
+                await self._publish_finish(
+                    finish.finished(
+                        name, reason, output_tokens=tokens, decode_s=time.perf_counter() - started
+                    )
+                )
+
+    async def _publish_finish(self, event: RequestFinished | None) -> None:
+        """Core publish of a finish event (never raises: a lost event only delays the
+        routers' bookkeeping until their bounds catch it)."""
+        if event is None:
+            return
+        bus = self.ctx.bus
+        try:
+            await bus.publish(bus.subjects.finished(event.gateway_id), event)
+            self.metrics.finish_events.labels(event.reason).inc()
+        except BusError as exc:
+            self.metrics.finish_events.labels("unpublished").inc()
+            log.warning("finish event of %s not published: %s", event.request_id, exc)
 
     # --- handlers -------------------------------------------------------------------------
 
@@ -288,6 +397,27 @@ class Gateway:
             body = check_body(raw, chat=chat)
         except BadRequestError as exc:
             return _error(400, str(exc), param=exc.param)
+        finish = FinishTracker(request_id, self.settings.instance_id, time.time)
+        outcome: FinishReason = "error"
+        try:
+            return await self._route_and_decode(request, path, body, request_id, finish)
+        except asyncio.CancelledError:
+            outcome = "abort"
+            raise
+        finally:
+            # Whatever happened before a decode worker took the request (prefill failed,
+            # the client went away, no decoder answered), it ends in one finish event.
+            if finish.final is None:
+                await self._publish_finish(finish.finished(None, outcome))
+
+    async def _route_and_decode(
+        self,
+        request: web.Request,
+        path: str,
+        body: dict[str, Any],
+        request_id: str,
+        finish: FinishTracker,
+    ) -> web.StreamResponse:
         with self.decisions.expecting(request_id) as waiter:
             pre = prefill_body(body, request_id, self.inbox)
             if self.response_sources:
@@ -301,6 +431,10 @@ class Gateway:
             answered = time.perf_counter()
             if self.response_sources:
                 await self._publish_from_response(prefill_response, prefill_name, request_id, body)
+            else:
+                await self._fall_back_if_uncaptured(
+                    prefill_name, prefill_response, request_id, body
+                )
             decision: Decision | None
             try:
                 decision, source = await self.decisions.wait(
@@ -314,7 +448,7 @@ class Gateway:
                 decision = None
                 self.metrics.decisions.labels("fallback").inc()
                 log.warning(
-                    "no decision for %s within %.1f s; least-loaded decoder instead",
+                    "no decision for %s within %.3f s; least-loaded decoder instead",
                     request_id,
                     self.settings.gateway_decision_timeout_s,
                 )
@@ -324,12 +458,80 @@ class Gateway:
             return await self.decode(
                 request,
                 path,
-                decode_body(body, prefill_response.get("kv_transfer_params")),
+                decode_body(body, prefill_response.get("kv_transfer_params"), request_id),
                 request_id,
                 candidates,
+                finish,
             )
         except UpstreamError as exc:
             return _error(502, f"decode failed: {exc}", request_id=request_id)
+
+    async def _fall_back_if_uncaptured(
+        self, prefill_name: str, response: dict[str, Any], request_id: str, body: dict[str, Any]
+    ) -> None:
+        """When the prefill instance's capture cannot produce this request's PrefillDone
+        (its plugin says it is off or failed, or it never said anything), publish one
+        without a signature so that a router decides load-only now."""
+        problem = self.capture.problem(prefill_name, time.monotonic())
+        self._note_capture(prefill_name, problem)
+        if problem is None:
+            return
+        self.metrics.capture_fallbacks.labels(problem).inc()
+        status = self.capture.last(prefill_name)
+        geometry = None
+        if status is not None and status.num_moe_layers and status.num_experts:
+            geometry = (status.num_moe_layers, status.num_experts)
+        event = unavailable_prefill_done(
+            request_id=request_id,
+            model=str(body.get("model") or ""),
+            prefill_worker=prefill_name,
+            n_prompt_tokens=prompt_tokens_of(response),
+            reply_to=self.inbox,
+            max_tokens=max_tokens_of(body),
+            block_size=self.settings.gateway_block_size,
+            geometry=geometry,
+            problem=problem,
+            wall_s=time.time(),
+        )
+        bus = self.ctx.bus
+        try:
+            await bus.js_publish(bus.subjects.prefill_done(prefill_name), event, msg_id=request_id)
+        except BusError as exc:
+            log.warning("could not publish the load-only PrefillDone of %s: %s", request_id, exc)
+
+    def _note_capture(self, instance: str, problem: str | None) -> None:
+        """Say once, per change, whether an instance's prompts can be captured."""
+        if self._capture_said.get(instance, "?") == problem:
+            return
+        self._capture_said[instance] = problem
+        self.metrics.prefill_capture.labels(instance).set(0 if problem else 1)
+        if problem is None:
+            log.info("prefill %s: capture ok, routing by expert locality", instance)
+            return
+        status = self.capture.last(instance)
+        if status is not None and status.reason:
+            detail = f": {status.reason}"
+        elif problem == "no_capture_status":
+            detail = " (is ELDR_VLLM_CAPTURE=1 set and the eldr plugin installed in that vLLM?)"
+        else:
+            detail = ""
+        log.error(
+            "prefill %s: %s%s; its requests are routed load-only until that changes",
+            instance,
+            problem,
+            detail,
+        )
+
+    async def on_capture_status(self, status: CaptureStatus, delivery: Delivery) -> None:
+        if delivery.subject != self.ctx.bus.subjects.capture(status.worker_id):
+            self.metrics.capture_status.labels("mismatch").inc()
+            return
+        taken = self.capture.update(status, time.monotonic())
+        self.metrics.capture_status.labels("ok" if taken else "other_instance").inc()
+        if taken:
+            self._note_capture(
+                status.worker_id, self.capture.problem(status.worker_id, time.monotonic())
+            )
 
     async def _publish_from_response(
         self, response: dict[str, Any], prefill_name: str, request_id: str, body: dict[str, Any]
@@ -412,6 +614,20 @@ class Gateway:
         await self.requests.drain(self.settings.gateway_drain_grace_s)
 
 
+class _ClientGone(Exception):  # noqa: N818 - a control-flow signal, not an error
+    """Writing to the client failed: it disconnected."""
+
+
+async def _to_client(write: Awaitable[Any]) -> None:
+    """Await a write to the client, turning its disconnection into `_ClientGone` (which
+    the upstream-read handlers do not catch: aiohttp's reset error is also a
+    ClientConnectionError)."""
+    try:
+        await write
+    except ConnectionResetError as exc:
+        raise _ClientGone(str(exc)) from exc
+
+
 class ClientAnswer(Exception):  # noqa: N818 - a control-flow signal, not an error
     """An upstream's non-5xx error answer, passed back to the client as it is."""
 
@@ -462,6 +678,10 @@ async def setup(ctx: ServiceContext[GatewaySettings]) -> None:
     if s.gateway_signature_source == "routed_experts":
         gateway.response_sources = _response_sources(s, list(gateway.prefills))
     await ctx.bus.subscribe(gateway.inbox, Decision, gateway.on_decision)
+    if not gateway.response_sources:
+        await ctx.bus.subscribe(
+            ctx.bus.subjects.capture_all, CaptureStatus, gateway.on_capture_status
+        )
     await gateway.probe_once()
     probe = asyncio.create_task(gateway.probe_loop(), name="upstream-probe")
 
@@ -490,17 +710,65 @@ async def setup(ctx: ServiceContext[GatewaySettings]) -> None:
 
 
 def _response_sources(s: GatewaySettings, prefills: list[str]) -> dict[str, ResponseSource]:
-    if not (s.gateway_num_moe_layers and s.gateway_num_experts and s.gateway_top_k):
+    config: dict[str, Any] = {}
+    if s.gateway_model_config is not None:
+        try:
+            loaded = json.loads(s.gateway_model_config.read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"ELDR_GATEWAY_MODEL_CONFIG {s.gateway_model_config}: {exc}") from exc
+        if not isinstance(loaded, dict):
+            raise ValueError(f"ELDR_GATEWAY_MODEL_CONFIG {s.gateway_model_config}: not an object")
+        config = dict(text_config(loaded))
+    layers = _layer_map(s, config)
+    n_experts = s.gateway_num_experts or _first_int(
+        config, "num_experts", "num_local_experts", "n_routed_experts"
+    )
+    top_k = s.gateway_top_k or _first_int(config, "num_experts_per_tok", "moe_top_k")
+    n_moe = s.gateway_num_moe_layers or (layers.num_moe_layers if layers else None)
+    if not (n_moe and n_experts and top_k):
         raise ValueError(
-            "the routed_experts source needs ELDR_GATEWAY_NUM_MOE_LAYERS, "
-            "ELDR_GATEWAY_NUM_EXPERTS and ELDR_GATEWAY_TOP_K"
+            "the routed_experts source needs the geometry: ELDR_GATEWAY_NUM_MOE_LAYERS, "
+            "ELDR_GATEWAY_NUM_EXPERTS and ELDR_GATEWAY_TOP_K, or ELDR_GATEWAY_MODEL_CONFIG"
         )
     if not s.gateway_model_key:
         raise ValueError("the routed_experts source needs ELDR_GATEWAY_MODEL_KEY")
-    geometry = Geometry(s.gateway_num_moe_layers, s.gateway_num_experts, s.gateway_top_k)
+    geometry = Geometry(n_moe, n_experts, top_k)
     return response_sources(
-        prefills, model_key=s.gateway_model_key, block_size=s.gateway_block_size, geometry=geometry
+        prefills,
+        model_key=s.gateway_model_key,
+        block_size=s.gateway_block_size,
+        geometry=geometry,
+        layers=layers,
     )
+
+
+def _layer_map(s: GatewaySettings, config: dict[str, Any]) -> LayerMap | None:
+    """Where the MoE layers sit among all hidden layers: the explicit list, else the
+    model's config.json, else None (every layer an MoE layer)."""
+    if s.gateway_moe_layer_ids:
+        hidden = s.gateway_num_hidden_layers or _first_int(config, "num_hidden_layers")
+        if not hidden:
+            raise ValueError(
+                "ELDR_GATEWAY_MOE_LAYER_IDS needs ELDR_GATEWAY_NUM_HIDDEN_LAYERS (or a config.json)"
+            )
+        return LayerMap.of(hidden, parse_layer_ids(s.gateway_moe_layer_ids))
+    if config:
+        ids = moe_layer_ids(config)
+        if ids is None:
+            raise ValueError(
+                f"cannot tell the MoE layers of model type {config.get('model_type')!r} from "
+                "its config.json: set ELDR_GATEWAY_MOE_LAYER_IDS"
+            )
+        return LayerMap.of(int(config["num_hidden_layers"]), ids)
+    return None
+
+
+def _first_int(config: dict[str, Any], *keys: str) -> int | None:
+    for key in keys:
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 def main() -> int:

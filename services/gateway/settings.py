@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator
@@ -29,10 +30,18 @@ class GatewaySettings(CommonSettings):
         "id its decode adapter reports load under (what decisions name).",
     )
     gateway_decision_timeout_s: float = Field(
-        default=5.0,
+        default=0.25,
         gt=0,
         description="How long to wait for the routing decision after the prefill answered; "
-        "then read the DECISIONS stream, then fall back to the least-loaded decoder.",
+        "then read the DECISIONS stream, then fall back to the least-loaded decoder. "
+        "Decisions take a few ms (docs/BENCHMARKS.md); every request whose decision is lost "
+        "waits this long.",
+    )
+    gateway_capture_grace_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="After the gateway starts, how long a prefill instance may be silent "
+        "(no capture status) before its requests are routed load-only at once.",
     )
     gateway_upstream_timeout_s: float = Field(
         default=600.0, gt=0, description="Bound on one upstream request (prefill or decode)."
@@ -81,6 +90,23 @@ class GatewaySettings(CommonSettings):
     )
     gateway_top_k: int | None = Field(
         default=None, ge=1, description="Experts per token (routed_experts source only)."
+    )
+    gateway_model_config: Path | None = Field(
+        default=None,
+        description="The model's config.json (routed_experts source only): which hidden "
+        "layers are MoE layers (dense ones are skipped), and the geometry when "
+        "ELDR_GATEWAY_NUM_* are unset.",
+    )
+    gateway_moe_layer_ids: str | None = Field(
+        default=None,
+        description="MoE layer ids when no config.json says (routed_experts source only), "
+        "e.g. `1-47:2` for MoE on the odd layers of 48; needs ELDR_GATEWAY_NUM_HIDDEN_LAYERS.",
+    )
+    gateway_num_hidden_layers: int | None = Field(
+        default=None,
+        ge=1,
+        description="All hidden layers, dense included (routed_experts source with "
+        "ELDR_GATEWAY_MOE_LAYER_IDS).",
     )
 
     @field_validator("gateway_prefill", "gateway_decode")

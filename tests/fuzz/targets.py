@@ -40,6 +40,7 @@ from eldr.wire import (
     PartitionAnnouncement,
     PrefillDone,
     RefitRequest,
+    RequestFinished,
     RouterControl,
     SimStatsRequest,
     SparseCounts,
@@ -237,6 +238,25 @@ def seed_messages() -> dict[type[Message], list[Message]]:
         DecodeJob: [job],
         SimStatsRequest: [SimStatsRequest(reset=False)],
         AssembleReply: [reply],
+        RequestFinished: [
+            RequestFinished(
+                request_id="seed-0",
+                gateway_id="w0",
+                ts_s=now,
+                reason="stop",
+                worker_id="w0",
+                output_tokens=12,
+                decode_s=0.3,
+            ),
+            RequestFinished(
+                request_id="seed-1",
+                gateway_id="w0",
+                ts_s=now,
+                reason="moved",
+                worker_id="w0",
+                moved_to="w1",
+            ),
+        ],
     }
 
 
@@ -497,6 +517,14 @@ def build_targets() -> list[Target]:
             s("decisions", "abc"),
             "subscribe",
             router_handler("on_decision"),
+            seeds,
+        ),
+        _target(
+            "finished/router",
+            RequestFinished,
+            s("finished"),
+            "subscribe",
+            router_handler("on_finished"),
             seeds,
         ),
         _target(

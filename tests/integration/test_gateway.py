@@ -10,6 +10,7 @@ in tests/vllm (`make test-vllm`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import time
@@ -21,10 +22,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from eldr.bus import Bus
+from eldr.bus import Bus, Delivery
 from eldr.bus.topology import DECISIONS
 from eldr.settings import BusSettings, RetentionSettings
-from eldr.wire import Decision, LoadReport, PrefillDone
+from eldr.wire import CaptureStatus, Decision, LoadReport, PrefillDone, RequestFinished
 from eldr_services.gateway.service import setup as gateway_setup
 from eldr_services.gateway.settings import GatewaySettings
 from eldr_services.router.service import setup as router_setup
@@ -49,6 +50,9 @@ class StandInVllm:
         self.failures = failures if failures is not None else [0]
         """Decode requests still to fail with a 500 (a list shared between instances)."""
         self.publish_prefill_done = True
+        self.stream_pieces = 2
+        """Chunks a streamed answer is cut into (one every `stream_gap_s`)."""
+        self.stream_gap_s = 0.0
         self.seen: list[tuple[str, dict[str, Any], str | None]] = []
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -87,11 +91,23 @@ class StandInVllm:
             return web.Response(status=500, text="decode broke")
         text = f"{self.name}:{json.dumps(body.get('prompt') or body.get('messages'))}"
         if not body.get("stream"):
-            return web.json_response({"id": "x", "choices": [{"index": 0, "text": text}]})
+            return web.json_response(
+                {
+                    "id": "x",
+                    "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+                    "usage": {"prompt_tokens": 3, "completion_tokens": 7},
+                }
+            )
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
-        for piece in (text[:5], text[5:]):
-            await out.write(f"data: {json.dumps({'choices': [{'text': piece}]})}\n\n".encode())
+        n = self.stream_pieces
+        cut = [len(text) * i // n for i in range(n + 1)]
+        for i in range(n):
+            choice: dict[str, Any] = {"text": text[cut[i] : cut[i + 1]]}
+            if i == n - 1:
+                choice["finish_reason"] = "stop"
+            await out.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+            await asyncio.sleep(self.stream_gap_s)
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()
         return out
@@ -116,7 +132,30 @@ class StandInVllm:
                 ),
             )
         return web.json_response(
-            {"choices": [{"text": "x"}], "kv_transfer_params": {"remote_engine_id": self.name}}
+            {
+                "choices": [{"text": "x"}],
+                "kv_transfer_params": {"remote_engine_id": self.name},
+                "usage": {"prompt_tokens": 3, "completion_tokens": 1},
+            }
+        )
+
+    async def say_capture(self, state: str, reason: str | None = None) -> None:
+        """Publish the CaptureStatus the plugin in this (prefill) engine would."""
+        assert self.bus is not None
+        await self.bus.publish(
+            self.bus.subjects.capture(self.name),
+            CaptureStatus(
+                worker_id=self.name,
+                incarnation="stand-in",
+                seq=0,
+                ts_s=time.time(),
+                interval_s=60.0,
+                prefill_capture=state,  # type: ignore[arg-type]
+                decode_profiles="off",
+                reason=reason,
+                num_moe_layers=2,
+                num_experts=4,
+            ),
         )
 
 
@@ -163,8 +202,16 @@ class Stack:
 
 
 @pytest.fixture
+def capture_grace_s() -> float:
+    return 10.0
+
+
+@pytest.fixture
 async def stack(
-    bus_factory: Any, bus_settings: BusSettings, retention: RetentionSettings
+    bus_factory: Any,
+    bus_settings: BusSettings,
+    retention: RetentionSettings,
+    capture_grace_s: float,
 ) -> AsyncIterator[Stack]:
     bus = await bus_factory("stand-ins")
     prefill = StandInVllm("prefill-0", bus)
@@ -185,6 +232,8 @@ async def stack(
         gateway_decode=",".join(f"{d.name}={d.url}" for d in decoders),
         gateway_decision_timeout_s=2.0,
         gateway_health_interval_s=0.2,
+        gateway_capture_grace_s=capture_grace_s,
+        instance_id="gw0",
     )
     router = RouterSettings(**base, policy="jsq", stale_after_s=2.0)
     async with (
@@ -200,6 +249,25 @@ async def stack(
 async def decision_of(bus: Bus, request_id: str) -> Decision | None:
     stream = f"{bus.settings.namespace.upper()}_{DECISIONS}"
     return await bus.get_last(stream, bus.subjects.decision(request_id), Decision)
+
+
+async def prefill_done_of(bus: Bus, request_id: str) -> PrefillDone:
+    """The PrefillDone recorded for `request_id` (PREFILL stream, any prefill subject)."""
+    found: list[PrefillDone] = []
+    got = asyncio.Event()
+
+    async def on(msg: PrefillDone, _: Delivery) -> None:
+        if msg.request_id == request_id:
+            found.append(msg)
+            got.set()
+
+    stream = f"{bus.settings.namespace.upper()}_PREFILL"
+    replay = await bus.replay(stream, bus.subjects.prefill_done_all, PrefillDone, on)
+    try:
+        await asyncio.wait_for(got.wait(), 10)
+    finally:
+        await replay.stop()
+    return found[0]
 
 
 def decoded_by(stack: Stack, request_id: str) -> list[StandInVllm]:
@@ -297,3 +365,165 @@ async def test_models_health_and_readiness(stack: Stack) -> None:
         ready = await http.get(stack.url + "/readyz")
         assert ready.status == 200
         assert (await ready.json())["upstreams"] is True
+
+
+class Finishes:
+    """Every RequestFinished on the namespace, by request id."""
+
+    def __init__(self) -> None:
+        self.events: dict[str, list[tuple[str, RequestFinished]]] = {}
+        self.changed = asyncio.Event()
+
+    async def on(self, msg: RequestFinished, delivery: Delivery) -> None:
+        self.events.setdefault(msg.request_id, []).append((delivery.subject, msg))
+        self.changed.set()
+
+    async def final(self, request_id: str, timeout_s: float = 10.0) -> RequestFinished:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            finals = [m for _, m in self.events.get(request_id, []) if m.reason != "moved"]
+            if finals:
+                await asyncio.sleep(0.2)  # a second final, if any, would be here by now
+                finals = [m for _, m in self.events.get(request_id, []) if m.reason != "moved"]
+                assert len(finals) == 1, finals
+                return finals[0]
+            self.changed.clear()
+            remaining = deadline - time.monotonic()
+            assert remaining > 0, f"no finish event for {request_id}"
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), remaining)
+
+
+@pytest.fixture
+async def finishes(stack: Stack) -> Finishes:
+    seen = Finishes()
+    await stack.bus.subscribe(stack.bus.subjects.finished_all, RequestFinished, seen.on)
+    return seen
+
+
+async def test_every_request_ends_in_exactly_one_finish_event(
+    stack: Stack, finishes: Finishes
+) -> None:
+    async with aiohttp.ClientSession() as http:
+        whole = await http.post(
+            stack.url + "/v1/completions",
+            json={"prompt": "a", "max_tokens": 7},
+            headers={"X-Request-Id": "f-whole"},
+        )
+        assert whole.status == 200
+        streamed = await http.post(
+            stack.url + "/v1/completions",
+            json={"prompt": "b", "stream": True, "return_token_ids": True},
+            headers={"X-Request-Id": "f-stream"},
+        )
+        await streamed.read()
+        refused = await http.post(
+            stack.url + "/v1/completions",
+            json={"prompt": "refuse"},
+            headers={"X-Request-Id": "f-refused"},
+        )
+        assert refused.status == 400
+    final = await finishes.final("f-whole")
+    assert (final.reason, final.output_tokens, final.gateway_id) == ("length", 7, "gw0")
+    assert final.worker_id == whole.headers["X-Eldr-Decode-Worker"]
+    assert final.decode_s is not None
+    (subject, _), *_ = finishes.events["f-whole"]
+    assert subject == stack.bus.subjects.finished("gw0")
+    final = await finishes.final("f-stream")
+    assert (final.reason, final.worker_id) == ("stop", streamed.headers["X-Eldr-Decode-Worker"])
+    # Refused by the prefill (a 4xx): it never reached a decode worker.
+    final = await finishes.final("f-refused")
+    assert (final.reason, final.worker_id) == ("error", None)
+
+
+async def test_a_retried_request_leaves_its_first_worker_in_a_moved_event(
+    stack: Stack, finishes: Finishes
+) -> None:
+    stack.decoders[0].failures[0] = 1  # shared: whichever is tried first fails
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(
+            stack.url + "/v1/completions", json={"prompt": "p"}, headers={"X-Request-Id": "mv"}
+        )
+        assert resp.status == 200
+    final = await finishes.final("mv")
+    moves = [m for _, m in finishes.events["mv"] if m.reason == "moved"]
+    (move,) = moves
+    decision = await decision_of(stack.bus, "mv")
+    assert decision is not None
+    assert move.worker_id == decision.worker_id
+    assert move.moved_to == final.worker_id == resp.headers["X-Eldr-Decode-Worker"]
+    assert final.worker_id != decision.worker_id
+
+
+async def test_a_client_that_breaks_off_a_stream_ends_in_an_abort(
+    stack: Stack, finishes: Finishes
+) -> None:
+    for decoder in stack.decoders:
+        decoder.stream_pieces, decoder.stream_gap_s = 40, 0.05
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(
+            stack.url + "/v1/completions",
+            json={"prompt": "long", "stream": True},
+            headers={"X-Request-Id": "ab"},
+        )
+        await resp.content.readany()  # the first chunk, then hang up
+        resp.close()
+    final = await finishes.final("ab")
+    assert final.reason == "abort"
+    assert final.worker_id in {d.name for d in stack.decoders}
+
+
+async def test_a_prefill_whose_capture_failed_is_routed_load_only_at_once(
+    stack: Stack, finishes: Finishes
+) -> None:
+    stack.prefill.publish_prefill_done = False  # a broken plugin publishes nothing
+    await stack.prefill.say_capture("failed", "MoE layer 3 wrote no rows")
+    await asyncio.sleep(0.2)
+    started = time.monotonic()
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(
+            stack.url + "/v1/completions", json={"prompt": "p"}, headers={"X-Request-Id": "nc"}
+        )
+        assert resp.status == 200
+        metrics = await (await http.get(stack.url + "/metrics")).text()
+    # The decision timeout is 2 s: the fallback did not wait for it.
+    assert time.monotonic() - started < 1.5
+    decision = await decision_of(stack.bus, "nc")
+    assert decision is not None
+    assert decision.worker_id == resp.headers["X-Eldr-Decode-Worker"]
+    assert decision.signature is None
+    event = await prefill_done_of(stack.bus, "nc")
+    assert (event.capture, event.attrs) == ("unavailable", {"eldr_capture": "capture_failed"})
+    assert event.n_prompt_tokens == 3  # from the prefill's usage
+    assert 'eldr_gateway_capture_fallbacks_total{reason="capture_failed"} 1.0' in metrics
+    assert 'eldr_gateway_prefill_capture{instance="prefill-0"} 0.0' in metrics
+    assert 'eldr_gateway_decisions_total{source="inbox"} 1.0' in metrics
+    # Capture back: requests wait for the plugin's own PrefillDone again.
+    stack.prefill.publish_prefill_done = True
+    await stack.prefill.say_capture("ok")
+    await asyncio.sleep(0.2)
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(
+            stack.url + "/v1/completions", json={"prompt": "p"}, headers={"X-Request-Id": "ok"}
+        )
+        assert resp.status == 200
+    decision = await decision_of(stack.bus, "ok")
+    assert decision is not None
+    assert decision.fallback is None
+
+
+@pytest.mark.parametrize("capture_grace_s", [0.0])
+async def test_a_prefill_that_never_reports_capture_is_routed_load_only(stack: Stack) -> None:
+    stack.prefill.publish_prefill_done = False  # no plugin at all
+    started = time.monotonic()
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(
+            stack.url + "/v1/completions", json={"prompt": "p"}, headers={"X-Request-Id": "ns"}
+        )
+        assert resp.status == 200
+        metrics = await (await http.get(stack.url + "/metrics")).text()
+    assert time.monotonic() - started < 1.5
+    decision = await decision_of(stack.bus, "ns")
+    assert decision is not None
+    assert (await prefill_done_of(stack.bus, "ns")).capture == "unavailable"
+    assert 'eldr_gateway_capture_fallbacks_total{reason="no_capture_status"} 1.0' in metrics

@@ -4,12 +4,23 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
 from eldr.bus import BusError
 from eldr.vllm.capture import Geometry
-from eldr.vllm.gateway import DecisionWaiters, InFlight, response_sources
+from eldr.vllm.gateway import (
+    CaptureStates,
+    DecisionWaiters,
+    FinishTracker,
+    InFlight,
+    StreamTally,
+    prompt_tokens_of,
+    response_outcome,
+    response_sources,
+    unavailable_prefill_done,
+)
 from eldr.vllm.pd import (
     DECODE_WORKER_HEADER,
     REQUEST_ID_HEADER,
@@ -18,7 +29,7 @@ from eldr.vllm.pd import (
     request_outcome,
     response_headers,
 )
-from eldr.wire import Decision
+from eldr.wire import CaptureStatus, Decision, PrefillDone, decode, encode
 from support import messages
 
 
@@ -151,3 +162,103 @@ def test_one_response_source_per_prefill_instance() -> None:
     )
     assert sorted(sources) == ["p0", "p1"]
     assert sources["p1"].state.config.worker_id == "p1"
+
+
+# --- capture states ----------------------------------------------------------------------
+
+
+def status(worker: str = "p0", state: str = "ok", interval_s: float = 2.0) -> CaptureStatus:
+    return CaptureStatus(
+        worker_id=worker,
+        incarnation="i",
+        seq=0,
+        ts_s=1.0,
+        interval_s=interval_s,
+        prefill_capture=state,  # type: ignore[arg-type]
+        decode_profiles="off",
+    )
+
+
+def test_capture_states_wait_through_the_grace_period_then_name_the_problem() -> None:
+    states = CaptureStates(["p0", "p1"], started_s=100.0, grace_s=5.0)
+    assert states.problem("p0", 101.0) is None  # not heard yet, but a status is due
+    assert states.problem("p0", 106.0) == "no_capture_status"
+    assert states.update(status("p0"), 106.0)
+    assert states.problem("p0", 107.0) is None
+    assert states.problem("p0", 106.0 + 3 * 2.0 + 0.1) == "capture_stale"
+    states.update(status("p0", "failed"), 110.0)
+    assert states.problem("p0", 110.5) == "capture_failed"
+    states.update(status("p0", "off"), 111.0)
+    assert states.problem("p0", 111.5) == "capture_off"
+    assert not states.update(status("elsewhere"), 111.0)
+    assert states.last("elsewhere") is None
+
+
+def test_the_load_only_prefill_done_carries_no_signature() -> None:
+    event = unavailable_prefill_done(
+        request_id="r",
+        model="m",
+        prefill_worker="p0",
+        n_prompt_tokens=40,
+        reply_to="_INBOX.x",
+        max_tokens=5,
+        block_size=16,
+        geometry=None,
+        problem="capture_off",
+        wall_s=1.0,
+    )
+    assert (event.capture, event.block_hashes, event.computed, event.partial) == (
+        "unavailable",
+        [],
+        None,
+        None,
+    )
+    assert decode(encode(event), PrefillDone) == event
+    assert prompt_tokens_of({"usage": {"prompt_tokens": 40}}) == 40
+    assert prompt_tokens_of({"usage": None}) == 0
+
+
+# --- the end of each request --------------------------------------------------------------
+
+
+def sse(*events: object) -> bytes:
+    return b"".join(f"data: {json.dumps(e)}\n\n".encode() for e in events) + b"data: [DONE]\n\n"
+
+
+def test_a_stream_tally_finds_the_finish_reason_and_tokens_across_chunk_cuts() -> None:
+    stream = sse(
+        {"choices": [{"text": "a", "token_ids": [5]}]},
+        {"choices": [{"text": "b", "token_ids": [6, 7]}]},
+        {"choices": [{"text": "", "finish_reason": "length", "token_ids": []}]},
+    )
+    for cut in range(1, len(stream)):
+        tally = StreamTally()
+        tally.feed(stream[:cut])
+        tally.feed(stream[cut:])
+        assert (tally.finish_reason, tally.output_tokens) == ("length", 3)
+    usage = StreamTally()
+    usage.feed(
+        sse({"choices": [{"text": "a"}]}, {"choices": [], "usage": {"completion_tokens": 9}})
+    )
+    assert (usage.finish_reason, usage.output_tokens) == (None, 9)
+    garbage = StreamTally()
+    garbage.feed(b"data: {not json\n\nevent: x\n\n")
+    assert (garbage.finish_reason, garbage.output_tokens) == (None, None)
+
+
+def test_whole_responses_give_their_reason_and_tokens() -> None:
+    body = {"choices": [{"finish_reason": "stop"}], "usage": {"completion_tokens": 4}}
+    assert response_outcome(json.dumps(body).encode()) == ("stop", 4)
+    assert response_outcome(b'{"choices": [{"finish_reason": "length"}]}') == ("length", None)
+    assert response_outcome(b"not json") == ("stop", None)
+
+
+def test_a_finish_tracker_makes_one_final_event_after_any_moves() -> None:
+    tracker = FinishTracker("r", "gw", lambda: 5.0)
+    move = tracker.moved("d0", "d1")
+    assert (move.reason, move.worker_id, move.moved_to) == ("moved", "d0", "d1")
+    final = tracker.finished("d1", "stop", output_tokens=3, decode_s=-1.0)
+    assert final is not None
+    assert (final.reason, final.worker_id, final.decode_s) == ("stop", "d1", 0.0)
+    assert tracker.finished("d1", "error") is None
+    assert tracker.final is final

@@ -15,7 +15,14 @@ import pytest
 
 from eldr.core.blocks import summarize_blocks
 from eldr.vllm.capture import CaptureConfig, Geometry
-from eldr.vllm.sources import ResponseSource, SourceError, decode_routed_experts, routing_of
+from eldr.vllm.moe_layers import moe_layer_ids, parse_layer_ids
+from eldr.vllm.sources import (
+    LayerMap,
+    ResponseSource,
+    SourceError,
+    decode_routed_experts,
+    routing_of,
+)
 
 L, E, K, BS = 2, 8, 2, 4
 
@@ -84,7 +91,7 @@ def test_unusable_responses_are_refused(mutate: object, match: str) -> None:
 def test_rows_of_another_geometry_are_refused() -> None:
     response, routed = fake_response(6)
     response["choices"][0]["routed_experts"] = npy_b64(routed[:, :1])
-    with pytest.raises(SourceError, match="the model is"):
+    with pytest.raises(SourceError, match="routed_experts has 1 layers; the model has 2"):
         source().from_response(response, "r", 1.0, 1.0)
 
 
@@ -93,3 +100,111 @@ def test_pickled_arrays_are_not_loaded() -> None:
     np.save(buffer, np.array([object()], dtype=object), allow_pickle=True)
     with pytest.raises(SourceError):
         decode_routed_experts(base64.b64encode(buffer.getvalue()).decode())
+
+
+# --- models with dense layers -----------------------------------------------------------
+
+LLAMA4_LIKE = {
+    "model_type": "llama4",
+    "text_config": {
+        "model_type": "llama4_text",
+        "num_hidden_layers": 6,
+        "interleave_moe_layer_step": 2,
+        "num_local_experts": E,
+        "num_experts_per_tok": K,
+    },
+}
+"""MoE on the odd layers, as Llama-4-Maverick (48 layers, 24 MoE) interleaves them."""
+
+
+def hidden_layout(moe_rows: np.ndarray, moe_ids: list[int], n_hidden: int) -> np.ndarray:
+    """What vLLM returns: one column per hidden layer, the MoE rows at their layer ids and
+    zeros (as its buffer is initialised) in the dense layers' columns."""
+    out = np.zeros((moe_rows.shape[0], n_hidden, moe_rows.shape[2]), dtype=moe_rows.dtype)
+    out[:, moe_ids] = moe_rows
+    return out
+
+
+@pytest.mark.parametrize("layout", ["all_hidden_layers", "moe_layers_only"])
+def test_interleaved_dense_layers_are_skipped_in_either_layout(layout: str) -> None:
+    ids = moe_layer_ids(LLAMA4_LIKE)
+    assert ids == [1, 3, 5]
+    n_moe = len(ids)
+    rng = np.random.default_rng(3)
+    n_prompt = 9
+    moe_rows = np.stack([rng.permutation(E)[:K] for _ in range(n_prompt * n_moe)]).reshape(
+        n_prompt, n_moe, K
+    )
+    sent = hidden_layout(moe_rows, ids, 6) if layout == "all_hidden_layers" else moe_rows
+    tokens = rng.integers(0, 500, size=n_prompt).tolist()
+    response = {
+        "choices": [{"routed_experts": npy_b64(sent.astype(np.uint8)), "prompt_token_ids": tokens}]
+    }
+    src = ResponseSource(CaptureConfig("p", "m", BS, Geometry(n_moe, E, K)), LayerMap.of(6, ids))
+    (done,) = src.from_response(response, "r", 1.0, 1.0).done
+    full, partial = summarize_blocks(np.asarray(tokens), moe_rows, BS, E)
+    assert done.computed is not None
+    expected = sum(b.counts.astype(np.int64) for b in full) + (
+        0 if partial is None else partial.counts
+    )
+    np.testing.assert_array_equal(done.computed.to_dense(np.int64), expected)
+    # Read as if every layer were MoE, the dense zeros would have counted as expert 0.
+    assert int(expected[:, 0].sum()) < n_prompt * n_moe
+
+
+def test_a_layer_axis_of_neither_width_is_refused() -> None:
+    src = ResponseSource(CaptureConfig("p", "m", BS, Geometry(3, E, K)), LayerMap.of(6, [1, 3, 5]))
+    rows = np.zeros((5, 4, K), dtype=np.uint8)
+    response = {"choices": [{"routed_experts": npy_b64(rows), "prompt_token_ids": [1] * 5}]}
+    with pytest.raises(SourceError, match="6 hidden layers of which 3 are MoE"):
+        src.from_response(response, "r", 1.0, 1.0)
+
+
+def test_layer_maps_must_fit_the_geometry() -> None:
+    with pytest.raises(ValueError, match="2 MoE layer ids for a model of 3"):
+        ResponseSource(CaptureConfig("p", "m", BS, Geometry(3, E, K)), LayerMap.of(6, [1, 3]))
+    with pytest.raises(ValueError, match="must ascend"):
+        LayerMap.of(4, [3, 1])
+    with pytest.raises(ValueError, match="must ascend"):
+        LayerMap.of(4, [0, 4])
+
+
+@pytest.mark.parametrize(
+    ("config", "ids"),
+    [
+        ({"model_type": "qwen3_moe", "num_hidden_layers": 4, "num_experts": 8}, [0, 1, 2, 3]),
+        (
+            {
+                "model_type": "qwen3_moe",
+                "num_hidden_layers": 6,
+                "num_experts": 8,
+                "decoder_sparse_step": 2,
+                "mlp_only_layers": [5],
+            },
+            [1, 3],
+        ),
+        (
+            {
+                "model_type": "deepseek_v3",
+                "num_hidden_layers": 61,
+                "n_routed_experts": 256,
+                "first_k_dense_replace": 3,
+            },
+            list(range(3, 61)),
+        ),
+        ({"model_type": "mixtral", "num_hidden_layers": 3}, [0, 1, 2]),
+        ({"model_type": "anything", "num_hidden_layers": 4, "moe_layers": [2, 0]}, [0, 2]),
+        ({"model_type": "unknown_family", "num_hidden_layers": 4}, None),
+    ],
+)
+def test_moe_layer_ids_follow_each_familys_config(config: dict, ids: list[int] | None) -> None:
+    assert moe_layer_ids(config) == ids
+
+
+def test_layer_id_lists_parse_ranges_with_steps() -> None:
+    assert parse_layer_ids("1-47:2")[:3] == [1, 3, 5]
+    assert len(parse_layer_ids("1-47:2")) == 24
+    assert parse_layer_ids("0, 2,4-5") == [0, 2, 4, 5]
+    for bad in ("", "a", "5-1", "1-3:0", "-1"):
+        with pytest.raises(ValueError, match="layer ids"):
+            parse_layer_ids(bad)

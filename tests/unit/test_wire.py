@@ -378,6 +378,26 @@ def test_decode_enforces_cross_field_invariants() -> None:
         decode(_reencode(raw), PrefillDone)
 
 
+def test_an_unavailable_capture_carries_no_hashes_or_counts() -> None:
+    raw = _raw(canonical_messages()[PrefillDone]) | {"capture": "unavailable"}
+    with pytest.raises(WireError, match="carries no block hashes or counts"):
+        decode(_reencode(raw), PrefillDone)
+    raw |= {"block_hashes": [], "partial": None, "computed": None, "cached_prefix_blocks": 0}
+    event = decode(_reencode(raw), PrefillDone)
+    assert event.capture == "unavailable"
+    assert event.n_prompt_tokens == 40  # no block-count check without hashes
+
+
+def test_finish_events_name_both_workers_only_for_a_move() -> None:
+    raw = _raw(canonical_messages()[RequestFinished])
+    with pytest.raises(WireError, match="names worker_id and moved_to"):
+        decode(_reencode(raw | {"moved_to": None}), RequestFinished)
+    with pytest.raises(WireError, match="moved_to is set but the reason is 'stop'"):
+        decode(_reencode(raw | {"reason": "stop"}), RequestFinished)
+    with pytest.raises(WireError, match="Invalid enum value 'done'"):
+        decode(_reencode(raw | {"reason": "done"}), RequestFinished)
+
+
 def test_construction_checks_invariants_too() -> None:
     with pytest.raises(WireError, match="blocks_found"):
         AssembleReply(request_id="r", counts=None, blocks_total=1, blocks_found=2, missing=[])

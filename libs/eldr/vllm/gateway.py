@@ -7,7 +7,13 @@
 - `InFlight`: client requests being served, refused once draining starts, and the wait
   for the last one to finish;
 - `response_sources`: one `ResponseSource` per prefill instance, when the gateway
-  publishes the prefill's routing itself (the routed_experts source).
+  publishes the prefill's routing itself (the routed_experts source);
+- `CaptureStates`: what each prefill instance's capture plugin last said it can do, so that
+  a request whose prefill cannot be captured is routed load-only at once
+  (`unavailable_prefill_done`) instead of waiting for a decision that cannot come;
+- `FinishTracker`, `response_outcome`, `StreamTally`: the end of every decode response
+  (stop, length, client abort, upstream error, a move to another worker) as one
+  `RequestFinished` event per request, whether or not any capture runs.
 
 The pure request shaping (bodies, candidate order, headers) is in `eldr.vllm.pd`.
 """
@@ -16,14 +22,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Iterator
-from typing import Literal
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from eldr.bus.errors import BusError
 from eldr.vllm.capture import CaptureConfig, Geometry
-from eldr.vllm.sources import ResponseSource
-from eldr.wire import Decision
+from eldr.vllm.sources import LayerMap, ResponseSource
+from eldr.wire import CaptureStatus, Decision, PrefillDone, RequestFinished
+from eldr.wire.messages import FinishReason
 
 log = logging.getLogger(__name__)
 
@@ -110,11 +119,241 @@ class InFlight:
 
 
 def response_sources(
-    prefills: Iterable[str], *, model_key: str, block_size: int, geometry: Geometry
+    prefills: Iterable[str],
+    *,
+    model_key: str,
+    block_size: int,
+    geometry: Geometry,
+    layers: LayerMap | None = None,
 ) -> dict[str, ResponseSource]:
     """Per prefill instance, the source that turns its responses' routed experts into
     block summaries and a PrefillDone published under that instance's id."""
     return {
-        name: ResponseSource(CaptureConfig(name, model_key, block_size, geometry))
+        name: ResponseSource(CaptureConfig(name, model_key, block_size, geometry), layers)
         for name in prefills
     }
+
+
+# --- capture state of the prefill instances ---------------------------------------------
+
+STALE_INTERVALS = 3.0
+"""A capture status older than this many of its own intervals counts as silence."""
+
+CaptureProblem = Literal["capture_off", "capture_failed", "no_capture_status", "capture_stale"]
+
+
+@dataclass(frozen=True)
+class _Heard:
+    status: CaptureStatus
+    at_s: float
+
+
+class CaptureStates:
+    """What each prefill instance's capture plugin last said (`CaptureStatus`).
+
+    `problem(instance, now)` is None while the instance's prefill capture is "ok" and its
+    status fresh, and also for an instance not heard from yet during `grace_s` after the
+    gateway started (a status is due within one interval); otherwise it names why the
+    prefill's routing will not come. Times are monotonic seconds passed in.
+    """
+
+    def __init__(self, instances: Iterable[str], *, started_s: float, grace_s: float) -> None:
+        self.instances = frozenset(instances)
+        self.started_s = started_s
+        self.grace_s = grace_s
+        self._heard: dict[str, _Heard] = {}
+
+    def update(self, status: CaptureStatus, now_s: float) -> bool:
+        """Take a status; False for an instance this gateway does not serve."""
+        if status.worker_id not in self.instances:
+            return False
+        self._heard[status.worker_id] = _Heard(status, now_s)
+        return True
+
+    def last(self, instance: str) -> CaptureStatus | None:
+        heard = self._heard.get(instance)
+        return None if heard is None else heard.status
+
+    def problem(self, instance: str, now_s: float) -> CaptureProblem | None:
+        heard = self._heard.get(instance)
+        if heard is None:
+            return None if now_s - self.started_s < self.grace_s else "no_capture_status"
+        status = heard.status
+        if now_s - heard.at_s > STALE_INTERVALS * max(status.interval_s, 0.1):
+            return "capture_stale"
+        if status.prefill_capture == "ok":
+            return None
+        return "capture_off" if status.prefill_capture == "off" else "capture_failed"
+
+
+def unavailable_prefill_done(
+    *,
+    request_id: str,
+    model: str,
+    prefill_worker: str,
+    n_prompt_tokens: int,
+    reply_to: str,
+    max_tokens: int | None,
+    block_size: int,
+    geometry: tuple[int, int] | None,
+    problem: str,
+    wall_s: float,
+) -> PrefillDone:
+    """The PrefillDone the gateway publishes for a prefill that cannot be captured: no
+    block hashes, no counts, `capture = "unavailable"`, so a router decides load-only at
+    once (recorded and counted like any decision). `geometry` (MoE layers, experts) is the
+    instance's last reported one, if any; nothing reads it without counts."""
+    layers, experts = geometry or (1, 1)
+    return PrefillDone(
+        request_id=request_id,
+        model=model[:256] or "unknown",
+        prefill_worker=prefill_worker,
+        ts_s=wall_s,
+        block_size=block_size,
+        block_hashes=[],
+        n_prompt_tokens=n_prompt_tokens,
+        partial=None,
+        num_moe_layers=layers,
+        num_experts=experts,
+        reply_to=reply_to,
+        max_tokens=max_tokens,
+        attrs={"eldr_capture": problem},
+        capture="unavailable",
+    )
+
+
+def prompt_tokens_of(response: Mapping[str, Any]) -> int:
+    """Prompt tokens from a completion response's usage (0 when it does not say)."""
+    usage = response.get("usage")
+    if isinstance(usage, Mapping):
+        value = usage.get("prompt_tokens")
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+    return 0
+
+
+# --- the end of each request ------------------------------------------------------------
+
+
+def _reason_of(finish_reason: object) -> FinishReason:
+    if finish_reason == "length":
+        return "length"
+    if finish_reason == "abort":
+        return "abort"
+    return "stop"
+
+
+def response_outcome(payload: bytes) -> tuple[FinishReason, int | None]:
+    """(reason, output tokens) of a whole (non-streamed) completion response."""
+    try:
+        body = json.loads(payload)
+    except (ValueError, UnicodeDecodeError):
+        return "stop", None
+    if not isinstance(body, dict):
+        return "stop", None
+    reason: FinishReason = "stop"
+    choices = body.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        reason = _reason_of(choices[0].get("finish_reason"))
+    usage = body.get("usage")
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return reason, tokens if isinstance(tokens, int) and tokens >= 0 else None
+
+
+class StreamTally:
+    """Follows an OpenAI server-sent-event stream as it is passed through: the finish
+    reason of the last choice that named one, and the output tokens (usage when the
+    stream carries it, else token ids, else content chunks)."""
+
+    MAX_LINE_BYTES = 1 << 20
+    """A line longer than this is skipped, not buffered (a broken upstream)."""
+
+    def __init__(self) -> None:
+        self.finish_reason: FinishReason | None = None
+        self.usage_tokens: int | None = None
+        self.token_ids = 0
+        self.chunks = 0
+        self._partial = b""
+
+    @property
+    def output_tokens(self) -> int | None:
+        if self.usage_tokens is not None:
+            return self.usage_tokens
+        if self.token_ids:
+            return self.token_ids
+        return self.chunks or None
+
+    def feed(self, data: bytes) -> None:
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        if len(self._partial) > self.MAX_LINE_BYTES:
+            self._partial = b""
+        for line in lines:
+            self._line(line.strip())
+
+    def _line(self, line: bytes) -> None:
+        if not line.startswith(b"data:"):
+            return
+        payload = line[5:].strip()
+        if payload == b"[DONE]" or not payload:
+            return
+        try:
+            event = json.loads(payload)
+        except (ValueError, UnicodeDecodeError):
+            return
+        if not isinstance(event, dict):
+            return
+        usage = event.get("usage")
+        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            self.usage_tokens = usage["completion_tokens"]
+        for choice in event.get("choices") or []:
+            if not isinstance(choice, dict):
+                continue
+            ids = choice.get("token_ids")
+            if isinstance(ids, list):
+                self.token_ids += len(ids)
+            self.chunks += 1
+            if choice.get("finish_reason") is not None:
+                self.finish_reason = _reason_of(choice["finish_reason"])
+
+
+class FinishTracker:
+    """One request's finish events: any number of "moved", then exactly one final."""
+
+    def __init__(self, request_id: str, gateway_id: str, wall_clock: Callable[[], float]):
+        self.request_id = request_id
+        self.gateway_id = gateway_id
+        self._wall = wall_clock
+        self.final: RequestFinished | None = None
+
+    def moved(self, worker_id: str, to_worker: str) -> RequestFinished:
+        return RequestFinished(
+            request_id=self.request_id,
+            gateway_id=self.gateway_id,
+            ts_s=self._wall(),
+            reason="moved",
+            worker_id=worker_id,
+            moved_to=to_worker,
+        )
+
+    def finished(
+        self,
+        worker_id: str | None,
+        reason: FinishReason,
+        *,
+        output_tokens: int | None = None,
+        decode_s: float | None = None,
+    ) -> RequestFinished | None:
+        """The final event, or None if one was made already."""
+        if self.final is not None:
+            return None
+        self.final = RequestFinished(
+            request_id=self.request_id,
+            gateway_id=self.gateway_id,
+            ts_s=self._wall(),
+            reason=reason,
+            worker_id=worker_id,
+            output_tokens=output_tokens,
+            decode_s=None if decode_s is None else max(0.0, decode_s),
+        )
+        return self.final

@@ -133,11 +133,20 @@ def prefill_body(body: Mapping[str, Any], request_id: str, reply_to: str) -> dic
     return out
 
 
-def decode_body(body: Mapping[str, Any], kv_transfer_params: Mapping[str, Any] | None) -> dict:
-    """The request for the decode instance: the client's, plus the prefill's KV handle."""
+def decode_body(
+    body: Mapping[str, Any],
+    kv_transfer_params: Mapping[str, Any] | None,
+    request_id: str | None = None,
+) -> dict:
+    """The request for the decode instance: the client's, plus the prefill's KV handle
+    and (in `vllm_xargs`) the request id its decode profile is published under."""
     out = copy.deepcopy(dict(body))
     if kv_transfer_params is not None:
         out["kv_transfer_params"] = dict(kv_transfer_params)
+    if request_id is not None:
+        xargs = dict(out.get("vllm_xargs") or {})
+        xargs[XARG_REQUEST_ID] = request_id
+        out["vllm_xargs"] = xargs
     return out
 
 

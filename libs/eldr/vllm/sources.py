@@ -12,6 +12,12 @@ blocks itself, so the whole prompt is covered.
 `CaptureState`: the gateway publishes it when configured with this source. On CPU this
 path cannot run (no Model Runner V2 without Triton): it is tested with recorded-shape
 fakes only, not on real hardware.
+
+Layers: vLLM sizes the routed-experts buffer by *all* hidden layers and writes each MoE
+layer's column at its layer id, leaving dense layers' columns at zero (which would read as
+"expert 0"). `LayerMap` takes the response's layer axis in either layout, all hidden
+layers (the MoE layers' columns are picked by id, dense ones skipped) or MoE layers only,
+and refuses any other width.
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -64,11 +71,59 @@ def routing_of(response: Mapping[str, Any]) -> tuple[list[int], np.ndarray]:
     return [int(t) for t in tokens], decode_routed_experts(encoded)
 
 
+@dataclass(frozen=True)
+class LayerMap:
+    """Which columns of a routed-experts array are the MoE layers, in MoE-layer order."""
+
+    num_hidden_layers: int
+    moe_layer_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        ids = self.moe_layer_ids
+        if not ids:
+            raise ValueError("a model with no MoE layer has no routed experts")
+        if list(ids) != sorted(set(ids)) or ids[0] < 0 or ids[-1] >= self.num_hidden_layers:
+            raise ValueError(
+                f"MoE layer ids {list(ids)} must ascend within {self.num_hidden_layers} layers"
+            )
+
+    @classmethod
+    def all_moe(cls, num_layers: int) -> LayerMap:
+        return cls(num_layers, tuple(range(num_layers)))
+
+    @classmethod
+    def of(cls, num_hidden_layers: int, moe_layer_ids: Sequence[int]) -> LayerMap:
+        return cls(num_hidden_layers, tuple(int(i) for i in moe_layer_ids))
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.moe_layer_ids)
+
+    def moe_columns(self, rows: np.ndarray) -> np.ndarray:
+        """rows [tokens, width, top_k] -> [tokens, MoE layers, top_k]: width is either
+        every hidden layer (MoE columns picked by layer id) or the MoE layers alone."""
+        width = rows.shape[1]
+        if width == self.num_moe_layers:
+            return rows
+        if width == self.num_hidden_layers:
+            return rows[:, list(self.moe_layer_ids)]
+        raise SourceError(
+            f"routed_experts has {width} layers; the model has {self.num_hidden_layers} "
+            f"hidden layers of which {self.num_moe_layers} are MoE layers"
+        )
+
+
 class ResponseSource:
     """Block summaries and PrefillDone from prefill responses that carry routed experts."""
 
-    def __init__(self, config: CaptureConfig) -> None:
+    def __init__(self, config: CaptureConfig, layers: LayerMap | None = None) -> None:
         self.state = CaptureState(config)
+        self.layers = layers or LayerMap.all_moe(config.geometry.num_moe_layers)
+        if self.layers.num_moe_layers != config.geometry.num_moe_layers:
+            raise ValueError(
+                f"{self.layers.num_moe_layers} MoE layer ids for a model of "
+                f"{config.geometry.num_moe_layers} MoE layers"
+            )
 
     def from_response(
         self,
@@ -87,7 +142,7 @@ class ResponseSource:
         tokens, routed = routing_of(response)
         g = self.state.config.geometry
         n_prompt = len(tokens)
-        rows = routed[: max(0, n_prompt - prompt_start)]
+        rows = self.layers.moe_columns(routed[: max(0, n_prompt - prompt_start)])
         if rows.shape[1:] != (g.num_moe_layers, g.top_k):
             raise SourceError(
                 f"routed_experts rows are [{rows.shape[1]}, {rows.shape[2]}], the model is "
