@@ -1048,7 +1048,7 @@ def _model_side(
             return 0.0
         frac = np.clip((t - starts[members]) / (ends[members] - starts[members]), 0.0, 1.0)
         kv = float(np.sum(prompts[members] + tokens[members] * frac))
-        return cost.step_time_s(union, kv)
+        return cost.step_time_s(union, kv, len(members))
 
     for t in grid:
         live = np.flatnonzero((starts <= t) & (t < ends))

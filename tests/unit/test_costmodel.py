@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -83,3 +84,36 @@ def test_malformed_profile_file_is_rejected_with_its_path(tmp_path: Path) -> Non
     bad.write_text("schema = [")
     with pytest.raises(ProfileError, match="not valid TOML"):
         load_catalog(bad)
+
+
+def test_a_measured_expert_cost_replaces_only_the_expert_bytes() -> None:
+    p = tiny_profile()
+    m = dataclasses.replace(p, name="m", expert_s=5e-6, token_s=1e-6)
+    assert m.measured
+    assert not p.measured
+    # dense 4e6 B + 10 tokens * 1000 B over 1e12 B/s; 3 experts * 5 us; 4 tokens * 1 us
+    assert m.step_time_s(3, 10, 4) == pytest.approx(0.001 + (4e6 + 1e4) / 1e12 + 15e-6 + 4e-6)
+    assert m.expert_time_s == 5e-6
+    assert p.expert_time_s == pytest.approx(1e6 / 1e12)
+    assert m.with_overhead(0.0).step_time_s(3, 10, 4) == pytest.approx(
+        m.step_time_s(3, 10, 4) - 0.001
+    )
+    assert m.with_overhead(0.0).expert_s == 5e-6
+
+
+def test_spec_profiles_ignore_batch_tokens_and_keep_their_exact_formula() -> None:
+    for p in load_catalog().profiles.values():
+        if p.measured:
+            continue
+        exact = p.overhead_s + p.step_bytes(123.0, 4567.0) / p.worker_bytes_per_s
+        assert p.step_time_s(123.0, 4567.0) == exact
+        assert p.step_time_s(123.0, 4567.0, 32) == exact
+
+
+def test_measured_terms_must_be_non_negative() -> None:
+    with pytest.raises(ValueError, match="expert_s"):
+        dataclasses.replace(tiny_profile(), expert_s=-1e-6)
+    with pytest.raises(ValueError, match="token_s"):
+        dataclasses.replace(tiny_profile(), token_s=-1e-6)
+    with pytest.raises(ValueError, match="non-negative"):
+        tiny_profile().step_time_s(1, 0, -1)

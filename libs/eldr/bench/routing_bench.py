@@ -264,7 +264,7 @@ def rates_for_batch_targets(
     for batch in targets:
         union = expected_uniform_union(geometry.num_experts, geometry.top_k, math.ceil(batch))
         kv = batch * (mean_prompt + mean_decode / 2.0)
-        step_s = cost.step_time_s(union * geometry.num_moe_layers, kv)
+        step_s = cost.step_time_s(union * geometry.num_moe_layers, kv, batch)
         rates.append(round(batch * decoders / (mean_decode * step_s), 1))
     return rates
 
@@ -465,7 +465,7 @@ def run_bench(traces: TraceSet, config: BenchConfig) -> dict[str, Any]:
 
 
 def _profile_info(cost: CostProfile) -> dict[str, Any]:
-    return {
+    info: dict[str, Any] = {
         "name": cost.name,
         "model": cost.model.name,
         "gpu": cost.gpu.name,
@@ -473,6 +473,16 @@ def _profile_info(cost: CostProfile) -> dict[str, Any]:
         "overhead_ms": round(cost.overhead_s * 1e3, 3),
         "description": cost.description,
     }
+    if cost.measured:  # spec-derived profiles keep exactly the keys above
+        info["measured"] = {
+            "expert_us": round(cost.expert_time_s * 1e6, 4),
+            "bandwidth_expert_us": round(
+                cost.model.expert_bytes / cost.worker_bytes_per_s * 1e6, 4
+            ),
+            "token_us": round(cost.token_s * 1e6, 4),
+            "provenance": dict(cost.provenance),
+        }
+    return info
 
 
 def format_table(result: dict[str, Any]) -> str:

@@ -8,14 +8,18 @@ that any token of the batch routed to. The model here is
                / (gpus_per_worker * hbm_bytes_per_s * achievable_fraction)
 
 where `expert_union_total` is the number of distinct (MoE layer, expert) pairs the batch
-activates in this step. Every parameter, its value and its source are listed in
-docs/COST_MODEL.md; the numbers live in `libs/eldr/data/cost_profiles.toml` and are read by
-`eldr.data.profiles`. This module is pure: it knows nothing about files.
+activates in this step. A *measured* profile (written by `eldr bench-moe-step fit` from a
+GPU microbenchmark) replaces the expert term's bytes over bandwidth by a measured time per
+activated expert, `expert_union_total * expert_s`, and may add `batch_tokens * token_s`;
+the dense and KV terms stay bytes over bandwidth. Every parameter, its value and its source
+are listed in docs/COST_MODEL.md; the numbers live in `libs/eldr/data/cost_profiles.toml`
+(and `measured_profiles.toml`) and are read by `eldr.data.profiles`. This module is pure:
+it knows nothing about files.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,12 @@ class CostProfile:
     bytes are spread evenly and the worker's bandwidth is the sum of its GPUs'.
     `overhead_s` is the per-step time that is not weight or KV streaming (scheduling,
     kernel launches, collectives, sampling); docs/COST_MODEL.md says where it comes from.
+
+    Measured profiles only (None / 0 in every spec-derived profile):
+    `expert_s`: measured seconds per distinct (MoE layer, expert) pair of a step on this
+    worker, in place of expert_bytes / worker_bytes_per_s; `token_s`: measured seconds per
+    batch token per step, summed over the MoE layers; `provenance`: where the measurement
+    comes from, as (key, value) pairs (GPU, driver, torch version, date, command, table).
     """
 
     name: str
@@ -98,12 +108,31 @@ class CostProfile:
     gpus_per_worker: int
     overhead_s: float
     description: str = ""
+    expert_s: float | None = None
+    token_s: float = 0.0
+    provenance: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.gpus_per_worker <= 0:
             raise ValueError(f"{self.name}: gpus_per_worker must be positive")
         if self.overhead_s < 0:
             raise ValueError(f"{self.name}: overhead_s must be non-negative")
+        if self.expert_s is not None and self.expert_s < 0:
+            raise ValueError(f"{self.name}: expert_s must be non-negative")
+        if self.token_s < 0:
+            raise ValueError(f"{self.name}: token_s must be non-negative")
+
+    @property
+    def measured(self) -> bool:
+        """Whether the expert term comes from a measurement instead of bytes / bandwidth."""
+        return self.expert_s is not None
+
+    @property
+    def expert_time_s(self) -> float:
+        """Seconds one distinct (MoE layer, expert) pair adds to a step."""
+        if self.expert_s is not None:
+            return self.expert_s
+        return self.model.expert_bytes / self.worker_bytes_per_s
 
     @property
     def worker_bytes_per_s(self) -> float:
@@ -117,28 +146,40 @@ class CostProfile:
             + kv_tokens * self.model.kv_bytes_per_token
         )
 
-    def step_time_s(self, expert_union_total: float, kv_tokens: float) -> float:
+    def step_time_s(
+        self, expert_union_total: float, kv_tokens: float, batch_tokens: float = 0.0
+    ) -> float:
         """Wall time of one decode step.
 
         expert_union_total: distinct (MoE layer, expert) pairs activated by the batch in
         this step, summed over MoE layers. kv_tokens: tokens in the batch's KV caches.
-        An empty step (no tokens) costs nothing.
+        batch_tokens: tokens decoded in this step (one per running request); only a
+        measured profile with a `token_s` term uses it.
         """
-        if expert_union_total < 0 or kv_tokens < 0:
-            raise ValueError("expert_union_total and kv_tokens must be non-negative")
-        return self.overhead_s + self.step_bytes(expert_union_total, kv_tokens) / (
-            self.worker_bytes_per_s
-        )
+        if expert_union_total < 0 or kv_tokens < 0 or batch_tokens < 0:
+            raise ValueError("expert_union_total, kv_tokens and batch_tokens must be non-negative")
+        if self.expert_s is None:
+            # The spec-derived formula, evaluated exactly as it always was.
+            step_s = self.overhead_s + self.step_bytes(expert_union_total, kv_tokens) / (
+                self.worker_bytes_per_s
+            )
+        else:
+            streamed = self.model.dense_bytes + kv_tokens * self.model.kv_bytes_per_token
+            step_s = (
+                self.overhead_s
+                + streamed / self.worker_bytes_per_s
+                + expert_union_total * self.expert_s
+            )
+        if self.token_s:
+            step_s += batch_tokens * self.token_s
+        return step_s
 
     def with_overhead(self, overhead_s: float, name: str | None = None) -> CostProfile:
         """The same deployment with another fixed per-step overhead (for what-if reports)."""
-        return CostProfile(
+        return replace(
+            self,
             name=name or f"{self.name}@overhead={overhead_s * 1e3:g}ms",
-            model=self.model,
-            gpu=self.gpu,
-            gpus_per_worker=self.gpus_per_worker,
             overhead_s=overhead_s,
-            description=self.description,
         )
 
 

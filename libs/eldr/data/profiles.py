@@ -1,4 +1,11 @@
-"""Load decode cost profiles from `cost_profiles.toml` (package data) or a user file."""
+"""Load decode cost profiles from `cost_profiles.toml` (package data) or a user file.
+
+The packaged catalog is `cost_profiles.toml` (spec-derived: datasheets, model configs, one
+published measurement) plus `measured_profiles.toml`, the profiles `eldr bench-moe-step fit`
+wrote from a GPU microbenchmark. The measured file holds `[profile.*]` tables only; they
+name the models and GPUs of the spec file, and may set `expert_s`, `token_s` and a
+`provenance` table (docs/COST_MODEL.md, "Measuring an MoE decode step").
+"""
 
 from __future__ import annotations
 
@@ -12,6 +19,9 @@ from eldr.core.costmodel import CostProfile, GpuProfile, ModelProfile
 
 DEFAULT_PROFILE_FOR_TRACES = "llama4-maverick-fp8-8xh200"
 """The profile matching the pbc-llama4-mmlu traces' own model (Llama-4-Maverick)."""
+
+SPEC_PROFILES_FILE = "cost_profiles.toml"
+MEASURED_PROFILES_FILE = "measured_profiles.toml"
 
 
 class ProfileError(ValueError):
@@ -81,6 +91,9 @@ def parse_catalog(doc: dict[str, Any], source: str) -> ProfileCatalog:
                 raise ProfileError(f"{where}: unknown gpu {gpu_key!r}")
             model = models[model_key]
             overhead_s = float(t.get("overhead_s", per_layer_s * model.num_layers))
+            provenance = t.get("provenance", {})
+            if not isinstance(provenance, dict):
+                raise ProfileError(f"{where}: provenance must be a table")
             profiles[key] = CostProfile(
                 name=key,
                 model=model,
@@ -88,6 +101,9 @@ def parse_catalog(doc: dict[str, Any], source: str) -> ProfileCatalog:
                 gpus_per_worker=int(_require(t, "gpus_per_worker", where)),
                 overhead_s=overhead_s,
                 description=str(t.get("description", "")),
+                expert_s=float(t["expert_s"]) if "expert_s" in t else None,
+                token_s=float(t.get("token_s", 0.0)),
+                provenance=tuple((str(k), str(v)) for k, v in provenance.items()),
             )
     except (TypeError, ValueError) as exc:
         if isinstance(exc, ProfileError):
@@ -96,16 +112,53 @@ def parse_catalog(doc: dict[str, Any], source: str) -> ProfileCatalog:
     return ProfileCatalog(gpus=gpus, models=models, profiles=profiles, source=source)
 
 
-def load_catalog(path: Path | None = None) -> ProfileCatalog:
-    """Read the packaged profiles, or those in `path`."""
-    if path is None:
-        text = resources.files("eldr.data").joinpath("cost_profiles.toml").read_text("utf-8")
-        source = "eldr/data/cost_profiles.toml"
-    else:
-        text = Path(path).read_text("utf-8")
-        source = str(path)
+def _parse_toml(text: str, source: str) -> dict[str, Any]:
     try:
-        doc = tomllib.loads(text)
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ProfileError(f"{source}: not valid TOML: {exc}") from exc
+
+
+def merge_measured(doc: dict[str, Any], measured: dict[str, Any], source: str) -> dict[str, Any]:
+    """`doc` with the `[profile.*]` tables of a measured-profiles document added.
+
+    A measured file may hold nothing but `schema` and profiles, and may not redefine a
+    profile of `doc` (the spec-derived numbers never change to match a measurement).
+    """
+    if measured.get("schema") != 1:
+        raise ProfileError(f"{source}: expected schema = 1, got {measured.get('schema')!r}")
+    extra = set(measured) - {"schema", "profile"}
+    if extra:
+        raise ProfileError(f"{source}: only [profile.*] tables allowed, found {sorted(extra)}")
+    merged = dict(doc)
+    profiles = dict(doc.get("profile", {}))
+    for name, table in measured.get("profile", {}).items():
+        if name in profiles:
+            raise ProfileError(f"{source}: profile {name!r} is already defined")
+        profiles[name] = table
+    merged["profile"] = profiles
+    return merged
+
+
+def load_catalog(path: Path | None = None, measured_path: Path | None = None) -> ProfileCatalog:
+    """Read the packaged profiles (spec-derived plus measured), or those in `path`.
+
+    measured_path: a measured-profiles file to use instead of the packaged one (with
+    `path`, in addition to it).
+    """
+    if path is None:
+        data = resources.files("eldr.data")
+        source = f"eldr/data/{SPEC_PROFILES_FILE}"
+        doc = _parse_toml(data.joinpath(SPEC_PROFILES_FILE).read_text("utf-8"), source)
+        packaged = data.joinpath(MEASURED_PROFILES_FILE)
+        if measured_path is None and packaged.is_file():
+            where = f"eldr/data/{MEASURED_PROFILES_FILE}"
+            doc = merge_measured(doc, _parse_toml(packaged.read_text("utf-8"), where), where)
+    else:
+        source = str(path)
+        doc = _parse_toml(Path(path).read_text("utf-8"), source)
+    if measured_path is not None:
+        where = str(measured_path)
+        measured = _parse_toml(Path(measured_path).read_text("utf-8"), where)
+        doc = merge_measured(doc, measured, where)
     return parse_catalog(doc, source)

@@ -363,7 +363,7 @@ def simulate(
         ]
         ids = np.concatenate(rows) if len(rows) > 1 else rows[0]
         union_total = union.count(ids)  # distinct (layer, expert) pairs of the step
-        dt = cost.step_time_s(union_total, float(wk.kv_tokens))
+        dt = cost.step_time_s(union_total, float(wk.kv_tokens), len(wk.running))
         if window_start <= now <= window_end:
             union_samples.append(union_total / num_moe_layers)
             union_times.append(now)

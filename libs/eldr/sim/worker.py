@@ -279,7 +279,7 @@ class BatchingWorker:
             union_total=union_total,
             union_per_layer=union_total / layers,
             kv_tokens=kv,
-            duration_s=self.cost.step_time_s(union_total, kv),
+            duration_s=self.cost.step_time_s(union_total, kv, len(self.running)),
             admitted=tuple(admitted),
         )
 
