@@ -19,6 +19,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "eldr.bench.routing_bench",
     "eldr.bench.kmeans_bench",
     "eldr.bench.pipeline_bench",
+    "eldr.bench.moe_step_bench",
     "eldr.store.cli",
     "eldr.serve",
     "eldr.dev.cli",
