@@ -361,3 +361,12 @@ def test_cli_fit_prints_and_writes(tmp_path: Path, capsys: pytest.CaptureFixture
     assert len(report["fits"]) == 2
     catalog = load_catalog(measured_path=out)
     assert dict(catalog.get("qwen3-30b-a3b-h200-measured").provenance)["table"] == str(table)
+
+
+def test_measure_without_torch_says_what_it_needs(capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is not None:
+        pytest.skip("torch is installed here; tests/vllm/test_moe_step_cpu.py runs measure")
+    assert msb.main(["measure", "--tiny"]) == 2
+    assert "needs torch" in capsys.readouterr().err

@@ -772,6 +772,15 @@ def register(subparsers: Any) -> None:
 
 
 def run_measure(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        print(
+            "bench-moe-step measure needs torch (not a dependency of this project): run it "
+            "where torch is installed, e.g. .venv-vllm or the GPU machine's Python",
+            file=sys.stderr,
+        )
+        return 2
     from eldr.bench import moe_step_torch
 
     names = [x for x in args.profiles.split(",") if x]
