@@ -51,6 +51,7 @@ __all__ = [
     "SimRequest",
     "SimResult",
     "flatten_decode_ids",
+    "poisson_arrival_times_s",
     "simulate",
     "worker_name",
 ]
@@ -59,6 +60,17 @@ __all__ = [
 def worker_name(slot: int) -> str:
     """The id the simulator gives worker slot `slot` in fleet views."""
     return f"w{slot}"
+
+
+def poisson_arrival_times_s(rate_per_s: float, num_arrivals: int, seed: int) -> np.ndarray:
+    """The arrival times `simulate` uses for this rate, count and seed (seconds, ascending).
+
+    Exposed so that a caller can choose which request arrives when (`eldr bench` keeps two
+    copies of one request from being in flight at once) before simulating.
+    """
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1.0 / rate_per_s, size=num_arrivals)
+    return np.asarray(np.cumsum(gaps), dtype=np.float64)
 
 
 @dataclass(frozen=True)
@@ -184,6 +196,8 @@ class SimResult:
     sim_end_s: float = 0.0
     assigned_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
     """Per arrival (all, warm-up included): when it was routed."""
+    finished_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    """Per arrival (all, warm-up included): when its last token was produced."""
     version_of: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     """Per arrival: the partition version it was routed with (-1: none)."""
     union_step_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
@@ -282,9 +296,7 @@ def simulate(
     for ev in timeline:
         if any(not 0 <= slot < W for slot in (*ev.join, *ev.leave)):
             raise ValueError(f"fleet event at {ev.at_s} names a slot outside [0, {W})")
-    rng = np.random.default_rng(config.seed)
-    gaps = rng.exponential(1.0 / config.arrival_rate_per_s, size=n_arr)
-    arrival_s = np.cumsum(gaps)
+    arrival_s = poisson_arrival_times_s(config.arrival_rate_per_s, n_arr, config.seed)
     # The policy's own randomness (tie-breaks, P2C samples) gets a separate stream so that
     # arrival times are identical across policies for a seed.
     policy_rng = np.random.default_rng([config.seed, 1])
@@ -534,6 +546,7 @@ def simulate(
         queued_share=float(blocked[measured].mean()) if measured.size else 0.0,
         sim_end_s=now,
         assigned_s=assigned_s,
+        finished_s=finished_s,
         version_of=version_of,
         union_step_s=np.asarray(union_times, dtype=np.float64),
         joined_s=joined_s,
