@@ -162,7 +162,10 @@ async def run_service(
         if ready is not None:
             ctx.ready_event = ready
         try:
-            changes = await apply_topology(bus, build_topology(settings.namespace, settings))
+            # Only what this service's role owns is changed (eldr.bus.owners).
+            changes = await apply_topology(
+                bus, build_topology(settings.namespace, settings), role=name
+            )
             for change in changes:
                 if change.action != "unchanged":
                     log.info("topology %s %s: %s", change.kind, change.name, change.action)

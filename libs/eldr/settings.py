@@ -23,6 +23,9 @@ NAMESPACE_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,31}$"
 """Lower case so that upper-cased stream names (`ELDR_BLOCKS`) cannot collide; no dots
 (it is one subject token); short, because it prefixes stream and bucket names."""
 
+INBOX_PREFIX_PATTERN = r"^_INBOX(\.[A-Za-z0-9_-]{1,128}){0,4}$"
+"""`_INBOX` or `_INBOX.<token>...`: what nats-py puts before `.<unique id>` in an inbox."""
+
 _CONFIG = SettingsConfigDict(env_prefix="ELDR_", extra="forbid", validate_default=True)
 
 
@@ -107,6 +110,19 @@ class BusSettings(BaseSettings):
     tls_key_file: Path | None = Field(default=None, description="Private key of tls_cert_file.")
     tls_hostname: str | None = Field(
         default=None, description="Server name to verify, when it differs from the URL's host."
+    )
+    inbox_prefix: str = Field(
+        default="_INBOX",
+        pattern=INBOX_PREFIX_PATTERN,
+        description="Prefix of this client's reply inboxes. Under the generated NATS "
+        "permissions a user may use only its role's, `_INBOX.<namespace>.<role>` "
+        "(`.<worker id>` added for per-worker roles); `eldr deploy nats-auth` names it per user.",
+    )
+    require_auth: bool = Field(
+        default=False,
+        description="Refuse a NATS server that does not ask clients to authenticate (the "
+        "production overlay sets it: NATS installed without its users is an error, not an "
+        "open bus).",
     )
 
     @model_validator(mode="after")

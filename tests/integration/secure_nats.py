@@ -16,7 +16,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eldr.bus.permissions import load_permissions, resolve
+from eldr.bus.permissions import inbox_prefix, load_permissions, resolve
 from eldr.dev.natsserver import EmbeddedNats
 
 
@@ -84,12 +84,19 @@ class User:
     instances: tuple[str, ...] = ()
     nkey: bool = False
 
+    def inbox_prefix(self, namespace: str) -> str:
+        """The inbox prefix its clients connect with: its role's (`_INBOX` without one)."""
+        if self.role is None or self.role == "*":
+            return "_INBOX"
+        return inbox_prefix(namespace, self.role, self.instances[0] if self.instances else None)
+
 
 @dataclass
 class Credentials:
     password: str | None = None
     seed_file: Path | None = None
     public_key: str | None = None
+    inbox_prefix: str = "_INBOX"
 
 
 @dataclass
@@ -145,11 +152,15 @@ def start_secure_nats(directory: Path, namespace: str, users: list[User]) -> Sec
             seed_file = directory / f"{user.name}.nk"
             seed_file.write_text(seed + "\n")
             seed_file.chmod(0o600)
-            creds[user.name] = Credentials(seed_file=seed_file, public_key=public)
+            creds[user.name] = Credentials(
+                seed_file=seed_file, public_key=public, inbox_prefix=user.inbox_prefix(namespace)
+            )
             entries.append(f"{{ nkey: {_quote(public)}\n        {block} }}")
         else:
             password = secrets.token_urlsafe(24)
-            creds[user.name] = Credentials(password=password)
+            creds[user.name] = Credentials(
+                password=password, inbox_prefix=user.inbox_prefix(namespace)
+            )
             entries.append(
                 f"{{ user: {_quote(user.name)}, password: {_quote(password)}\n        {block} }}"
             )

@@ -102,6 +102,33 @@ async def test_apply_topology_updates_changed_limits(
     assert updated == {blocks: "max_age", router: "max_deliver"}
 
 
+async def test_a_service_changes_only_what_its_role_owns(
+    bus: Bus, topology: Topology, retention: RetentionSettings
+) -> None:
+    """`apply_topology(role=...)`: another role's missing streams and bucket are created
+    (services start in any order), its consumer is left alone, and a stream that differs
+    is reported, not updated; the owner updates it."""
+    first = {c.name: c.action for c in await apply_topology(bus, topology, role="signature")}
+    router = f"{topology.stream_name(PREFILL)}/{ROUTER_CONSUMER}"
+    assert set(first.values()) == {"created"}
+    assert router not in first  # the router's own consumer: the router makes it
+    longer = build_topology(
+        topology.namespace, retention.model_copy(update={"blocks_max_age_s": 7200.0})
+    )
+    as_router = await apply_topology(bus, longer, role="router")
+    blocks = topology.stream_name(BLOCKS)
+    assert {(c.name, c.action, c.detail) for c in as_router if c.action != "unchanged"} == {
+        (blocks, "differs", "max_age"),
+        (router, "created", ""),
+    }
+    info = await bus._js.stream_info(blocks)
+    assert info.config.max_age == retention.blocks_max_age_s
+    as_owner = await apply_topology(bus, longer, role="signature")
+    assert [(c.name, c.action) for c in as_owner if c.action != "unchanged"] == [
+        (blocks, "updated")
+    ]
+
+
 async def test_conditional_publish_first_write_wins(bus: Bus, topology: Topology) -> None:
     await applied(bus, topology)
     subject = bus.subjects.decision("req-1")

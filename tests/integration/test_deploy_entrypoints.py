@@ -40,6 +40,7 @@ from typing import Any
 
 import pytest
 
+from eldr.bus.permissions import inbox_prefix
 from eldr.cli import COMMAND_MODULES
 from eldr.dev.kustomize import render
 from eldr.dev.metricrefs import (
@@ -217,6 +218,7 @@ class Stack:
         env["PYTHONPATH"] = str(self.image.site)
         config = by_name(self.overlay, "ConfigMap", "eldr-config")["data"]
         env["ELDR_NAMESPACE"] = config["ELDR_NAMESPACE"]
+        env["ELDR_INBOX_PREFIX"] = inbox_prefix(config["ELDR_NAMESPACE"], "operator")
         env["ELDR_NATS_URL"] = self.nats.url
         env["ELDR_USER"] = secret_value(self.overlay, {"name": "nats-eldr-operator", "key": "user"})
         env["ELDR_PASSWORD"] = secret_value(

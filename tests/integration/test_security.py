@@ -5,6 +5,11 @@ per-role permissions of `deploy/nats/permissions.yaml`:
   authenticated by NKEY reports its load; a prefill worker by password sends PrefillDone);
 - a client without the rights cannot publish decisions, partition announcements or
   partition blobs, nor another worker's load reports;
+- every role has an inbox prefix of its own: a decode worker can neither read the
+  router's or a prefill worker's (gateway's) inbox nor write into it (issue 15, finding 6);
+- a role may update only the streams it owns; a service applying a topology that differs
+  from another role's stream reports it and leaves it alone (finding 12);
+- a client that requires authentication refuses a NATS server without it (finding 12);
 - wrong passwords, unknown NKEYs and clients without a certificate are refused;
 - credentials given to a service (NATS password, NATS URL with user info, database URL
   with a password) never appear in its logs or its /metrics.
@@ -20,7 +25,7 @@ import subprocess
 import time
 import urllib.request
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -28,7 +33,9 @@ import pytest
 from secure_nats import SecureNats, User, missing_reason, new_nkey_seed, start_secure_nats
 
 from eldr.bus import Bus, BusError, Delivery, apply_topology, build_topology
-from eldr.dev.natsserver import free_port
+from eldr.bus.owners import owned_streams
+from eldr.bus.permissions import inbox_prefix, load_permissions, resolve
+from eldr.dev.natsserver import EmbeddedNats, free_port
 from eldr.dev.stack import serve_command
 from eldr.runtime import run_service
 from eldr.settings import BusSettings, RetentionSettings
@@ -48,6 +55,7 @@ pytestmark = pytest.mark.integration
 
 USERS = [
     User("router", "router"),
+    User("signature", "signature"),
     User("trainer", "trainer", nkey=True),
     User("operator", "operator"),
     User("dw0", "decode", instances=("dw0",), nkey=True),
@@ -75,6 +83,7 @@ def settings_for(secure: SecureNats, name: str, **overrides: object) -> BusSetti
     fields: dict[str, object] = {
         "nats_url": secure.url,
         "namespace": secure.namespace,
+        "inbox_prefix": creds.inbox_prefix,
         "tls_ca_file": secure.certs.ca,
         "tls_cert_file": secure.certs.client_cert,
         "tls_key_file": secure.certs.client_key,
@@ -111,7 +120,7 @@ async def connected(secure: SecureNats, name: str) -> AsyncIterator[Bus]:
 async def topology(secure: SecureNats) -> None:
     """The router's rights include creating the topology (every service applies it)."""
     async with connected(secure, "router") as bus:
-        await apply_topology(bus, build_topology(secure.namespace, RETENTION))
+        await apply_topology(bus, build_topology(secure.namespace, RETENTION), role="router")
 
 
 def done(rid: str, reply_to: str | None) -> PrefillDone:
@@ -172,7 +181,8 @@ async def test_services_work_with_mutual_tls_passwords_and_nkeys(secure: SecureN
             async def on_reply(decision: Decision, _: Delivery) -> None:
                 await replies.put(decision)
 
-            inbox = f"_INBOX.{uuid.uuid4().hex}"
+            inbox = prefill.new_inbox()
+            assert inbox.startswith(f"_INBOX.{secure.namespace}.prefill.pw0.")
             await prefill.subscribe(inbox, Decision, on_reply)
             for seq in range(3):
                 await worker.publish(worker.subjects.load("dw0"), load_report("dw0", seq))
@@ -324,6 +334,7 @@ async def test_credentials_never_appear_in_logs_or_metrics(
         **common,
         "ELDR_NATS_URL": f"tls://router:{nats_password}@127.0.0.1:{secure.server.port}",
         "ELDR_INSTANCE_ID": "router-secret",
+        "ELDR_INBOX_PREFIX": secure.users["router"].inbox_prefix,
     }
     seed_file = secure.users["trainer"].seed_file
     assert seed_file is not None
@@ -337,6 +348,7 @@ async def test_credentials_never_appear_in_logs_or_metrics(
         "ELDR_TRAINER_WORKERS": "dw0",
         "ELDR_MIN_SAMPLES": "1",
         "ELDR_INSTANCE_ID": "trainer-secret",
+        "ELDR_INBOX_PREFIX": secure.users["trainer"].inbox_prefix,
     }
     ports = {"router": free_port(), "trainer": free_port()}
     logs = {name: tmp_path / f"{name}.log" for name in ports}
@@ -377,3 +389,139 @@ async def test_credentials_never_appear_in_logs_or_metrics(
     assert "nats client eldr-router-router-secret connected to tls://***@127.0.0.1" in output
     assert "eldr:***@127.0.0.1" in output
     assert "eldr_router_decisions_total" in "\n".join(scraped)
+
+
+# --- inboxes: per role (finding 6) ---------------------------------------------------------
+
+
+async def test_a_decode_worker_can_neither_read_nor_write_other_roles_inboxes(
+    secure: SecureNats, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The router answers a prefill worker (or gateway, role prefill) on its inbox and
+    receives its own replies on its inbox; decode worker dw0, subscribed to both roles'
+    inboxes and to every inbox, sees none of it, and a decision it forges into the prefill
+    worker's inbox does not arrive. Its own inbox still works (the control)."""
+    await topology(secure)
+    ns = secure.namespace
+    caplog.set_level(logging.WARNING, logger="eldr.bus.client")
+    async with (
+        connected(secure, "router") as router,
+        connected(secure, "pw0") as prefill,
+        connected(secure, "dw0") as intruder,
+    ):
+        got: dict[str, list[str]] = {"prefill": [], "router": [], "intruder": [], "own": []}
+        controls = {name: asyncio.Event() for name in ("prefill", "router", "own")}
+
+        def collect(into: str) -> Callable[[Decision, Delivery], Awaitable[None]]:
+            async def on(decision: Decision, delivery: Delivery) -> None:
+                got[into].append(decision.request_id)
+                if into in controls:
+                    controls[into].set()
+
+            return on
+
+        prefill_inbox = prefill.new_inbox()
+        router_inbox = router.new_inbox()
+        own_inbox = intruder.new_inbox()
+        assert router_inbox.startswith(f"_INBOX.{ns}.router.")
+        assert own_inbox.startswith(f"_INBOX.{ns}.decode.dw0.")
+        await prefill.subscribe(prefill_inbox, Decision, collect("prefill"))
+        await router.subscribe(router_inbox, Decision, collect("router"))
+        await intruder.subscribe(own_inbox, Decision, collect("own"))
+        for pattern in (f"_INBOX.{ns}.router.>", f"_INBOX.{ns}.prefill.>", "_INBOX.>"):
+            await intruder.subscribe(pattern, Decision, collect("intruder"))
+        await intruder.flush()
+        await intruder.publish(prefill_inbox, _decision("forged-into-prefill"))
+        await intruder.publish(router_inbox, _decision("forged-into-router"))
+        await intruder.publish(own_inbox, _decision("own"))
+        await intruder.flush()
+        await router.publish(prefill_inbox, _decision("from-router"))
+        await router.publish(router_inbox, _decision("router-own"))
+        await router.flush()
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in controls.values())), 5)
+        await asyncio.sleep(0.3)  # anything the intruder could get has arrived by now
+    assert got["prefill"] == ["from-router"]
+    assert got["router"] == ["router-own"]
+    assert got["own"] == ["own"]
+    assert got["intruder"] == []
+    assert "permissions violation" in caplog.text.lower()
+
+
+def test_only_the_router_may_answer_into_requester_inboxes() -> None:
+    """The generated permissions: the router may publish into prefill and simprefill
+    inboxes (PrefillDone.reply_to), no other role into any inbox but its own."""
+    spec = load_permissions()
+    ns = "eldr"
+    prefill_reply = inbox_prefix(ns, "prefill", "pw0") + ".x"
+    router = resolve(spec, "router", ns)
+    assert router.allows("publish", prefill_reply)
+    assert router.allows("publish", inbox_prefix(ns, "simprefill", "sp0") + ".x")
+    assert not router.allows("publish", inbox_prefix(ns, "trainer") + ".x")
+    others: tuple[tuple[str, tuple[str, ...]], ...] = (
+        ("decode", ("dw0",)),
+        ("signature", ()),
+        ("trainer", ()),
+        ("prefill", ("p1",)),
+    )
+    for role, ids in others:
+        perms = resolve(spec, role, ns, ids)
+        own = inbox_prefix(ns, role, ids[0] if ids else None) + ".x"
+        assert perms.allows("publish", own)
+        assert perms.allows("subscribe", own)
+        assert not perms.allows("publish", prefill_reply), role
+        assert not perms.allows("subscribe", prefill_reply), role
+        assert not perms.allows("subscribe", inbox_prefix(ns, "router") + ".x"), role
+        assert not perms.allows("subscribe", "_INBOX.x"), role
+
+
+# --- streams: each role updates only its own (finding 12) ---------------------------------
+
+
+async def test_a_role_may_update_only_the_streams_it_owns(secure: SecureNats) -> None:
+    await topology(secure)
+    ns = secure.namespace
+    changed = RetentionSettings(
+        **{**RETENTION.model_dump(), "decisions_max_bytes": 4 << 20, "blocks_max_bytes": 4 << 20}
+    )
+    wanted = build_topology(ns, changed)
+    async with connected(secure, "signature") as signature, connected(secure, "admin") as admin:
+        # The signature service's own path: BLOCKS (its own) updated, DECISIONS reported.
+        changes = {c.name: c for c in await apply_topology(signature, wanted, role="signature")}
+        assert changes[f"{ns.upper()}_BLOCKS"].action == "updated"
+        decisions = changes[f"{ns.upper()}_DECISIONS"]
+        assert (decisions.action, decisions.detail) == ("differs", "max_bytes")
+        # Forcing it (no role) is refused by the server: no permission, no answer.
+        with pytest.raises(BusError):
+            await apply_topology(signature, wanted)
+        assert (await admin.stream_state(f"{ns.upper()}_BLOCKS")).size_bytes >= 0
+        info = await admin._js.stream_info(f"{ns.upper()}_DECISIONS")
+        assert info.config.max_bytes == RETENTION.decisions_max_bytes
+        blocks = await admin._js.stream_info(f"{ns.upper()}_BLOCKS")
+        assert blocks.config.max_bytes == 4 << 20
+    async with connected(secure, "signature") as signature:  # put BLOCKS back
+        await apply_topology(signature, build_topology(ns, RETENTION), role="signature")
+
+
+def test_the_generated_permissions_give_stream_updates_to_owners_only() -> None:
+    spec = load_permissions()
+    topology = build_topology("eldr", RetentionSettings())
+    for role in ("router", "signature", "trainer", "operator"):
+        perms = resolve(spec, role, "eldr")
+        for stream in [s.name for s in topology.streams] + ["OBJ_eldr-partitions"]:
+            may = perms.allows("publish", f"$JS.API.STREAM.UPDATE.{stream}")
+            assert may == (stream in owned_streams(topology, role)), (role, stream)
+
+
+# --- production default: authentication required (finding 12) -----------------------------
+
+
+async def test_a_client_requiring_auth_refuses_an_open_server(
+    nats_server: EmbeddedNats, secure: SecureNats
+) -> None:
+    open_bus = BusSettings(nats_url=nats_server.url, require_auth=True, startup_wait_s=2.0)
+    with pytest.raises(BusError, match="does not require authentication"):
+        await Bus.connect(open_bus, "require-auth-open")
+    async with connected(secure, "router") as bus:  # the secured one is accepted
+        assert bus.is_connected
+    bus = await Bus.connect(settings_for(secure, "router", require_auth=True), "require-auth")
+    await bus.drain()

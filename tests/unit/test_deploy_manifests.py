@@ -305,9 +305,52 @@ def test_every_configured_setting_exists(overlay: tuple[str, list[Obj]]) -> None
 
 
 def test_the_shared_config_names_the_in_cluster_nats(overlay: tuple[str, list[Obj]]) -> None:
-    config = of_kind(overlay[1], "ConfigMap")["eldr-config"]["data"]
-    assert config["ELDR_NATS_URL"] == "nats://eldr-nats:4222"
+    name, objects = overlay
+    config = of_kind(objects, "ConfigMap")["eldr-config"]["data"]
+    scheme = {"dev": "nats", "prod": "tls"}[name]
+    assert config["ELDR_NATS_URL"] == f"{scheme}://eldr-nats:4222"
     assert config["ELDR_MIGRATE_ON_START"] == "false", "the Job migrates"
+
+
+def test_prod_requires_tls_and_authentication_to_nats_by_default(prod: list[Obj]) -> None:
+    """Issue 15, finding 12: TLS to NATS (CA from a Secret) and NATS users required by
+    default in the production overlay; the NATS values serve TLS from a Secret."""
+    config = of_kind(prod, "ConfigMap")["eldr-config"]["data"]
+    assert config["ELDR_NATS_URL"].startswith("tls://")
+    assert config["ELDR_REQUIRE_AUTH"] == "true"
+    ca_file = Path(config["ELDR_TLS_CA_FILE"])
+    for obj, pod, c in eldr_workloads(prod):
+        if obj["kind"] == "Job":
+            continue  # migrations talk to the database only
+        mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+        assert str(ca_file.parent) in mounts, obj["metadata"]["name"]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == mounts[str(ca_file.parent)]]
+        assert volume["secret"]["secretName"] == "eldr-nats-ca"
+        assert {i["path"] for i in volume["secret"]["items"]} == {ca_file.name}
+    values = yaml.safe_load((DEPLOY / "nats" / "values.yaml").read_text())
+    tls = values["config"]["nats"]["tls"]
+    assert tls["enabled"] is True
+    docs = (REPO / "docs" / "DEPLOY.md").read_text()
+    for secret in ("eldr-nats-ca", tls["secretName"]):
+        assert f"`{secret}`" in docs, f"docs/DEPLOY.md does not say how to create {secret}"
+
+
+def test_each_service_connects_with_its_users_inbox_prefix(overlay: tuple[str, list[Obj]]) -> None:
+    """Issue 15, finding 6: the generated permissions allow each user its role's inbox
+    prefix only; every Deployment sets that prefix."""
+    from eldr.bus.permissions import NatsUser, command_of
+
+    objects = overlay[1]
+    namespace = of_kind(objects, "ConfigMap")["eldr-config"]["data"]["ELDR_NAMESPACE"]
+    auth = (OVERLAYS["dev"] / "auth.conf").read_text()
+    users = {u.name: u for u in (NatsUser.parse(a) for a in command_of(auth) if "=" in a)}
+    for obj, _, c in eldr_workloads(objects):
+        if obj["kind"] == "Job":
+            continue
+        env = {e["name"]: e for e in c["env"]}
+        secret = env["ELDR_USER"]["valueFrom"]["secretKeyRef"]["name"]
+        user = users[secret.removeprefix("nats-")]
+        assert env["ELDR_INBOX_PREFIX"]["value"] == user.inbox_prefix(namespace), secret
 
 
 def test_network_policies_deny_by_default_and_admit_the_database_clients(

@@ -14,12 +14,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from eldr import deploy_cli
+from eldr.bus.owners import BUCKET_OWNER, STREAM_OWNERS, owned_streams, unowned_streams
 from eldr.bus.permissions import (
     NatsUser,
     Permissions,
     PermissionSpec,
     PermissionSpecError,
     command_of,
+    inbox_prefix,
     load_permissions,
     parse_permissions,
     render,
@@ -113,16 +115,45 @@ def test_the_file_defines_a_role_per_service_and_worker_kind(spec: PermissionSpe
 
 
 @pytest.mark.parametrize("role", SERVICE_ROLES)
-def test_services_may_create_and_update_every_stream_but_not_delete(
+def test_services_may_create_every_stream_and_update_only_their_own(
     spec: PermissionSpec, role: str
 ) -> None:
     p = perms(spec, role)
     names = [s.name for s in TOPOLOGY.streams] + [TOPOLOGY.object_stores[0].stream_name]
+    owned = owned_streams(TOPOLOGY, role)
+    assert owned  # every service owns something
     for stream in names:
-        for op in ("INFO", "CREATE", "UPDATE"):
+        for op in ("INFO", "CREATE"):
             assert p.allows("publish", f"$JS.API.STREAM.{op}.{stream}"), (role, op, stream)
+        may_update = p.allows("publish", f"$JS.API.STREAM.UPDATE.{stream}")
+        assert may_update == (stream in owned), (role, stream)
         assert not p.allows("publish", f"$JS.API.STREAM.DELETE.{stream}")
-    assert p.allows("publish", f"$JS.API.CONSUMER.CREATE.{NS.upper()}_PREFILL.router")
+    creates_consumer = p.allows("publish", f"$JS.API.CONSUMER.CREATE.{NS.upper()}_PREFILL.router")
+    assert creates_consumer == (role == "router")
+
+
+def test_every_stream_has_one_owner_and_owners_are_roles(spec: PermissionSpec) -> None:
+    assert unowned_streams(TOPOLOGY) == ()
+    assert set(STREAM_OWNERS.values()) | {BUCKET_OWNER} <= set(SERVICE_ROLES)
+    owners = [r for r in SERVICE_ROLES for _ in owned_streams(TOPOLOGY, r)]
+    assert len(owners) == len(TOPOLOGY.streams) + len(TOPOLOGY.object_stores)
+
+
+def test_each_role_uses_only_its_own_inbox_prefix(spec: PermissionSpec) -> None:
+    for role, p in everyone(spec).items():
+        own = inbox_prefix(NS, role, "w0" if spec.roles[role].per_instance else None)
+        assert p.allows("subscribe", f"{own}.abc"), role
+        assert p.allows("publish", f"{own}.abc"), role
+        assert not p.allows("subscribe", "_INBOX.abc"), role
+        for other in ("router", "signature", "trainer", "operator"):
+            if other != role:
+                assert not p.allows("subscribe", f"{inbox_prefix(NS, other)}.abc"), (role, other)
+    several = perms(spec, "simdecode", "decode-0", "decode-1")
+    for wid in ("decode-0", "decode-1"):
+        assert several.allows("subscribe", f"{inbox_prefix(NS, 'simdecode', wid)}.abc")
+    assert not perms(spec, "prefill", "pw1").allows(
+        "subscribe", f"{inbox_prefix(NS, 'prefill', 'pw2')}.abc"
+    )
 
 
 def test_stream_placeholders_follow_the_topology() -> None:
@@ -140,8 +171,10 @@ def test_workers_and_operators_only_read_the_topology(spec: PermissionSpec) -> N
 def test_router_permissions_cover_what_the_router_does(spec: PermissionSpec) -> None:
     p = perms(spec, "router")
     stream = NS.upper()
-    for subject in (S.sig_assemble, S.decision("req-1"), "_INBOX.abc.1"):
+    requester = inbox_prefix(NS, "prefill", "pw0") + ".abc"
+    for subject in (S.sig_assemble, S.decision("req-1"), requester):
         assert p.allows("publish", subject), subject
+    assert not p.allows("publish", "_INBOX.abc.1")  # not any inbox: requesters' only
     for subject in (S.load("dw0"), S.decision("req-1"), S.control_router):
         assert p.allows("subscribe", subject), subject
     assert p.allows("publish", f"$JS.API.CONSUMER.MSG.NEXT.{stream}_PREFILL.router")
@@ -240,6 +273,7 @@ def minimal(**role: object) -> dict[str, object]:
         (minimal(publish=["a.>.b"]), "last token"),
         (minimal(publish=["a.b*"]), "whole token"),
         (minimal(publish=["{stream}.{id}"], per_instance=True), "mixes"),
+        (minimal(publish=["{inbox}.{owned}"]), "mixes"),
         (minimal(description=""), "description"),
         (minimal(colour="red"), "unknown keys"),
     ],

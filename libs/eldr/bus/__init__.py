@@ -19,6 +19,7 @@ from eldr.bus.client import (
     StreamState,
     Subscription,
     Undecodable,
+    is_reply_inbox,
 )
 from eldr.bus.errors import (
     AlreadyExists,
@@ -76,6 +77,7 @@ __all__ = [
     "apply_topology",
     "build_topology",
     "delete_topology",
+    "is_reply_inbox",
     "rid_token",
     "stream_name",
 ]

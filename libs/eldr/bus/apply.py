@@ -5,6 +5,13 @@ creating an object that already exists with the same configuration is accepted b
 server, and a second apply of an unchanged topology changes nothing. Changed limits
 update the stream or consumer in place; changes the server cannot apply in place
 (storage type, deliver policy) raise `TopologyError` with what to do.
+
+With `role` (what `eldr.runtime` passes: the service's name) a service changes only what
+its role owns (`eldr.bus.owners`): another role's stream or bucket it creates when it is
+missing (so services may start in any order) and otherwise only compares, reporting a
+difference as `differs` without updating it; another role's consumer it leaves alone.
+That is all the generated NATS permissions let it do. Without `role` everything is
+applied (tests, `eldr import`, tools run by an operator with full rights).
 """
 
 from __future__ import annotations
@@ -18,11 +25,14 @@ from nats.js import api
 
 from eldr.bus.client import Bus, _translated
 from eldr.bus.errors import NotFoundError, TopologyError
+from eldr.bus.owners import BUCKET_OWNER, CONSUMER_OWNERS, stream_owner
 from eldr.bus.topology import ConsumerSpec, ObjectStoreSpec, StreamSpec, Topology
 
 log = logging.getLogger(__name__)
 
-Action = Literal["created", "updated", "unchanged"]
+Action = Literal["created", "updated", "unchanged", "differs"]
+"""`differs`: another role owns it and it differs from this service's settings (`detail`:
+the fields); left as it is."""
 
 
 @dataclass(frozen=True)
@@ -87,7 +97,7 @@ def _stream_diff(want: api.StreamConfig, have: api.StreamConfig) -> list[str]:
     return changed
 
 
-async def _apply_stream(bus: Bus, spec: StreamSpec) -> TopologyChange:
+async def _apply_stream(bus: Bus, spec: StreamSpec, owner: str | None = None) -> TopologyChange:
     js = bus._js
     want = _stream_config(spec)
     try:
@@ -101,6 +111,8 @@ async def _apply_stream(bus: Bus, spec: StreamSpec) -> TopologyChange:
     changed = _stream_diff(want, info.config)
     if not changed:
         return TopologyChange("stream", spec.name, "unchanged")
+    if owner is not None:
+        return _differs("stream", spec.name, owner, changed)
     if "storage" in changed:
         raise TopologyError(
             f"stream {spec.name} has storage {info.config.storage}, the topology wants "
@@ -172,7 +184,22 @@ async def _apply_consumer(bus: Bus, spec: ConsumerSpec) -> TopologyChange:
     return TopologyChange("consumer", name, "updated", ", ".join(changed))
 
 
-async def _apply_object_store(bus: Bus, spec: ObjectStoreSpec) -> TopologyChange:
+def _differs(
+    kind: Literal["stream", "object_store"], name: str, owner: str, changed: list[str]
+) -> TopologyChange:
+    log.warning(
+        "%s %s differs from this service's settings (%s); left to its owner, the %s",
+        kind.replace("_", " "),
+        name,
+        ", ".join(changed),
+        owner,
+    )
+    return TopologyChange(kind, name, "differs", ", ".join(changed))
+
+
+async def _apply_object_store(
+    bus: Bus, spec: ObjectStoreSpec, owner: str | None = None
+) -> TopologyChange:
     js = bus._js
     try:
         with _translated(f"stream info {spec.stream_name}"):
@@ -204,18 +231,41 @@ async def _apply_object_store(bus: Bus, spec: ObjectStoreSpec) -> TopologyChange
         )
     if not changed:
         return TopologyChange("object_store", spec.bucket, "unchanged")
+    if owner is not None:
+        return _differs("object_store", spec.bucket, owner, changed)
     with _translated(f"update object store {spec.bucket}"):
         await js.update_stream(have.evolve(**wanted))
     log.info("updated object store %s: %s", spec.bucket, ", ".join(changed))
     return TopologyChange("object_store", spec.bucket, "updated", ", ".join(changed))
 
 
-async def apply_topology(bus: Bus, topology: Topology) -> list[TopologyChange]:
+async def apply_topology(
+    bus: Bus, topology: Topology, *, role: str | None = None
+) -> list[TopologyChange]:
     """Create or update every stream, consumer and bucket of `topology` (in that order:
-    consumers need their streams). Returns what was done to each."""
-    changes = [await _apply_stream(bus, spec) for spec in topology.streams]
-    changes += [await _apply_consumer(bus, spec) for spec in topology.consumers]
-    changes += [await _apply_object_store(bus, spec) for spec in topology.object_stores]
+    consumers need their streams); with `role`, only what that role owns, the rest being
+    created when missing or compared (module docstring). Returns what was done to each
+    (another role's consumers are not listed)."""
+
+    def other_owner(owner: str | None) -> str | None:
+        """The owner when it is not `role` (None: this service may change it)."""
+        if role is None or owner == role:
+            return None
+        return owner or "unknown owner"
+
+    changes = [
+        await _apply_stream(bus, spec, other_owner(stream_owner(topology, spec.name)))
+        for spec in topology.streams
+    ]
+    changes += [
+        await _apply_consumer(bus, spec)
+        for spec in topology.consumers
+        if other_owner(CONSUMER_OWNERS.get(spec.durable)) is None
+    ]
+    changes += [
+        await _apply_object_store(bus, spec, other_owner(BUCKET_OWNER))
+        for spec in topology.object_stores
+    ]
     return changes
 
 

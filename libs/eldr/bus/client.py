@@ -32,7 +32,7 @@ import logging
 import re
 import ssl
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -181,6 +181,23 @@ def redact_url(url: object) -> str:
 _USERINFO_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^@/]*@")
 
 
+def is_reply_inbox(subject: str, allowed_prefixes: Sequence[str]) -> bool:
+    """Whether `subject` is an inbox under one of `allowed_prefixes` (`_INBOX`,
+    `_INBOX.eldr.prefill`): the prefix, then at least one more token, no wildcards, no
+    spaces. A service answering a subject a message names (`PrefillDone.reply_to`) checks
+    it with this first, so a message cannot make it publish anywhere else."""
+    if not subject or len(subject) > 512 or any(c in subject for c in " \t\r\n*>"):
+        return False
+    tokens = subject.split(".")
+    if any(not t for t in tokens):
+        return False
+    for prefix in allowed_prefixes:
+        head = prefix.split(".")
+        if len(tokens) > len(head) and tokens[: len(head)] == head:
+            return True
+    return False
+
+
 def _one_line(text: str, limit: int = _MAX_ERROR_HEADER_LEN) -> str:
     return " ".join(text.split())[:limit]
 
@@ -207,6 +224,7 @@ def _connect_options(settings: BusSettings, name: str) -> dict[str, Any]:
         "ping_interval": settings.ping_interval_s,
         "max_outstanding_pings": settings.max_outstanding_pings,
         "drain_timeout": settings.drain_timeout_s,
+        "inbox_prefix": settings.inbox_prefix,
     }
     if settings.user is not None:
         options["user"] = settings.user
@@ -303,6 +321,16 @@ class Bus:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(nc.close(), timeout=settings.connect_timeout_s)
             raise
+        server_info: Mapping[str, Any] = getattr(nc, "_server_info", None) or {}
+        if settings.require_auth and not server_info.get("auth_required"):
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(nc.close(), timeout=settings.connect_timeout_s)
+            raise BusError(
+                f"NATS at {redact_url(nc.connected_url)} does not require authentication and "
+                "ELDR_REQUIRE_AUTH is set: install NATS with its users "
+                "(deploy/nats/values-auth.yaml, docs/DEPLOY.md) instead of running on an "
+                "open bus"
+            )
         log.info("nats client %s connected to %s", name, redact_url(nc.connected_url))
         bus = cls(nc, settings, BusMetrics(registry or CollectorRegistry(auto_describe=True)))
         bus._no_echo = no_echo
@@ -317,6 +345,18 @@ class Bus:
     @property
     def settings(self) -> BusSettings:
         return self._settings
+
+    @property
+    def inbox_prefix(self) -> str:
+        """This connection's inbox prefix (`BusSettings.inbox_prefix`): every inbox it
+        creates, and so every reply it may receive, is under it."""
+        return self._settings.inbox_prefix
+
+    def new_inbox(self) -> str:
+        """A fresh inbox of this connection (`<inbox_prefix>.<unique id>`), for a reply
+        subject that others answer on (`PrefillDone.reply_to`). Never build one by hand:
+        under the generated permissions only this prefix may be subscribed to."""
+        return self._nc.new_inbox()
 
     @property
     def is_connected(self) -> bool:

@@ -9,7 +9,10 @@ nats-server `authorization` block (`nats_conf`), Helm values for the official NA
 pod reads from Kubernetes Secrets. `eldr deploy nats-auth` (`eldr.deploy_cli`) writes them.
 
 Stream names and the bucket come from `eldr.bus.topology`, so a stream added there is
-covered by every `{stream}` subject here.
+covered by every `{stream}` subject here; which role may update which stream
+(`{owned}`) comes from `eldr.bus.owners`, the map the services apply the topology by.
+Each role has an inbox prefix of its own (`{inbox}`, `inbox_prefix`), which its clients
+connect with (`ELDR_INBOX_PREFIX`), so no role can read or write another role's replies.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from eldr.bus.owners import owned_streams
 from eldr.bus.topology import build_topology
 from eldr.settings import NAMESPACE_PATTERN, RetentionSettings
 
@@ -28,7 +32,11 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_PERMISSIONS_FILE = REPO_ROOT / "deploy" / "nats" / "permissions.yaml"
 
 _PLACEHOLDER_RE = re.compile(r"\{([A-Za-z]+)\}")
-_PLACEHOLDERS = frozenset({"ns", "NS", "stream", "bucket", "id"})
+_PLACEHOLDERS = frozenset({"ns", "NS", "stream", "bucket", "id", "inbox", "owned"})
+_PER_VALUE = ("stream", "owned", "id", "inbox")
+"""Placeholders that repeat a subject once per value; a subject may hold only one of them
+({inbox} of a per-instance role repeats per id)."""
+INBOX_ROOT = "_INBOX"
 _TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{1,256}$")
 _USER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _SET_KEYS = frozenset({"publish", "subscribe", "allow_responses"})
@@ -86,6 +94,11 @@ class NatsUser:
     name: str
     role: str
     instances: tuple[str, ...] = ()
+
+    def inbox_prefix(self, namespace: str) -> str:
+        """What this user's process sets as `ELDR_INBOX_PREFIX` (a per-instance user with
+        several ids may use any of them; this is the first)."""
+        return inbox_prefix(namespace, self.role, self.instances[0] if self.instances else None)
 
     @property
     def password_env(self) -> str:
@@ -195,8 +208,11 @@ def _check_pattern(where: str, pattern: str) -> None:
     unknown = set(names) - _PLACEHOLDERS
     if unknown:
         raise PermissionSpecError(f"{where}: {pattern} has unknown placeholders {sorted(unknown)}")
-    if "stream" in names and "id" in names:
-        raise PermissionSpecError(f"{where}: {pattern} mixes {{stream}} and {{id}}")
+    repeated = [n for n in _PER_VALUE if n in names]
+    if len(repeated) > 1:
+        raise PermissionSpecError(
+            f"{where}: {pattern} mixes {', '.join('{' + n + '}' for n in repeated)}"
+        )
     if any(t == "" for t in pattern.split(".")) or " " in pattern:
         raise PermissionSpecError(f"{where}: {pattern!r} is not a subject")
     for token in pattern.split("."):
@@ -213,6 +229,14 @@ def _patterns_of(spec_grants: Mapping[str, Grant], role: Role) -> Iterable[str]:
 
 
 # --- resolving ------------------------------------------------------------------------------
+
+
+def inbox_prefix(namespace: str, role: str, instance: str | None = None) -> str:
+    """The inbox prefix of `role` in `namespace` (`_INBOX.<ns>.<role>`, plus `.<id>` for an
+    instance of a per-instance role): `{inbox}` in the permissions file, and what the
+    role's clients connect with (`BusSettings.inbox_prefix`)."""
+    parts = [INBOX_ROOT, namespace, role] + ([instance] if instance is not None else [])
+    return ".".join(parts)
 
 
 def stream_names(namespace: str) -> tuple[str, ...]:
@@ -242,13 +266,20 @@ def resolve(
         "NS": namespace.upper(),
         "bucket": topology.partitions_bucket,
     }
-    streams = [s.name for s in topology.streams]
+    per_value = {
+        "stream": [s.name for s in topology.streams],
+        "owned": list(owned_streams(topology, role)),
+        "id": list(instances),
+        "inbox": [inbox_prefix(namespace, role, i) for i in instances]
+        if r.per_instance
+        else [inbox_prefix(namespace, role)],
+    }
     grants = [r.own, *(spec.grants[g] for g in r.include)]
 
     def expand(patterns: Iterable[str]) -> tuple[str, ...]:
         out: list[str] = []
         for pattern in patterns:
-            for variant in _expand_one(pattern, values, streams, instances):
+            for variant in _expand_one(pattern, values, per_value):
                 if variant not in out:
                     out.append(variant)
         return tuple(out)
@@ -261,14 +292,14 @@ def resolve(
 
 
 def _expand_one(
-    pattern: str, values: Mapping[str, str], streams: Sequence[str], instances: Sequence[str]
+    pattern: str, values: Mapping[str, str], per_value: Mapping[str, Sequence[str]]
 ) -> list[str]:
-    if "{stream}" in pattern:
-        variants = [pattern.replace("{stream}", s) for s in streams]
-    elif "{id}" in pattern:
-        variants = [pattern.replace("{id}", i) for i in instances]
-    else:
-        variants = [pattern]
+    variants = [pattern]
+    for name in _PER_VALUE:
+        token = "{" + name + "}"
+        if token in pattern:
+            variants = [pattern.replace(token, v) for v in per_value[name]]
+            break
     return [_PLACEHOLDER_RE.sub(lambda m: values[m.group(1)], v) for v in variants]
 
 
@@ -375,6 +406,8 @@ def render(
     header = [
         "Generated from deploy/nats/permissions.yaml; do not edit. Regenerate with:",
         f"  {command.strip()}",
+        "Each user's processes connect with its inbox prefix (ELDR_INBOX_PREFIX):",
+        *(f"  {u.name}: {u.inbox_prefix(namespace)}" for u in users),
     ]
     if fmt == "conf":
         body = nats_conf(spec, namespace, users)
