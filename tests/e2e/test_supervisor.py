@@ -204,6 +204,7 @@ def dev_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevUp]:
 
 
 def test_a_second_stack_on_the_same_state_dir_is_refused(dev_up: DevUp) -> None:
+    started = time.monotonic()
     second = subprocess.run(
         dev_up_command(dev_up.state_dir, "other"),
         capture_output=True,
@@ -215,6 +216,7 @@ def test_a_second_stack_on_the_same_state_dir_is_refused(dev_up: DevUp) -> None:
     assert "is in use by another local stack" in output
     assert f"supervisor pid {dev_up.process.pid}" in output
     assert "nats-server up" not in output  # refused before starting anything
+    print(f"\nsecond eldr dev up refused in {time.monotonic() - started:.2f} s")
     assert dev_up.process.poll() is None
 
 
