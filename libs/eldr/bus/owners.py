@@ -23,6 +23,7 @@ from eldr.bus.topology import (
     BLOCKS,
     DECISIONS,
     DLQ,
+    FINISHED,
     LOAD,
     PARTITIONS,
     PREFILL,
@@ -36,7 +37,7 @@ STREAM_OWNERS: Mapping[str, str] = {
     PREFILL: "router",
     DECISIONS: "router",
     LOAD: "router",
-    "FINISHED": "router",  # RequestFinished from the gateways: the routers' activity table
+    FINISHED: "router",  # RequestFinished from the gateways: the routers' activity table
     PROFILES: "trainer",
     PARTITIONS: "trainer",
     DLQ: "router",
