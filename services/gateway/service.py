@@ -33,7 +33,6 @@ import itertools
 import json
 import logging
 import time
-import uuid
 from collections.abc import Awaitable
 from typing import Any
 
@@ -57,7 +56,7 @@ from eldr.vllm.gateway import (
     response_sources,
     unavailable_prefill_done,
 )
-from eldr.vllm.moe_layers import moe_layer_ids, parse_layer_ids, text_config
+from eldr.vllm.moe_layers import moe_layer_ids, num_routed_experts, parse_layer_ids, text_config
 from eldr.vllm.pd import (
     REQUEST_ID_HEADER,
     BadRequestError,
@@ -176,7 +175,7 @@ class Gateway:
         self.prefill_picker = LeastOutstanding(list(self.prefills))
         self.decode_picker = LeastOutstanding(list(self.decoders))
         self.healthy: dict[tuple[str, str], bool] = {}
-        self.inbox = f"_INBOX.eldr-gateway.{uuid.uuid4().hex}"
+        self.inbox = ctx.bus.new_inbox()
         self.decisions = DecisionWaiters()
         self.decisions_stream = build_topology(s.namespace, s).stream_name(DECISIONS)
         self.requests = InFlight()
@@ -720,9 +719,7 @@ def _response_sources(s: GatewaySettings, prefills: list[str]) -> dict[str, Resp
             raise ValueError(f"ELDR_GATEWAY_MODEL_CONFIG {s.gateway_model_config}: not an object")
         config = dict(text_config(loaded))
     layers = _layer_map(s, config)
-    n_experts = s.gateway_num_experts or _first_int(
-        config, "num_experts", "num_local_experts", "n_routed_experts"
-    )
+    n_experts = s.gateway_num_experts or (num_routed_experts(config) if config else None)
     top_k = s.gateway_top_k or _first_int(config, "num_experts_per_tok", "moe_top_k")
     n_moe = s.gateway_num_moe_layers or (layers.num_moe_layers if layers else None)
     if not (n_moe and n_experts and top_k):

@@ -30,6 +30,7 @@ from eldr.bus import (
     NoRespondersError,
     Retry,
     build_topology,
+    is_reply_inbox,
 )
 from eldr.bus.topology import DECISIONS, PARTITIONS, PREFILL
 from eldr.core.loadtable import LoadTable, Report
@@ -58,8 +59,9 @@ from .settings import RouterSettings
 
 log = logging.getLogger(__name__)
 
-REPLY_PREFIX = "_INBOX."
-"""Requesters wait on inboxes: a PrefillDone.reply_to outside them is never answered."""
+REPLY_PREFIXES = ("_INBOX",)
+"""Requesters wait on inboxes: a PrefillDone.reply_to outside them is never answered (under
+the generated permissions the server narrows it to the requester roles' own prefixes)."""
 LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5)
 
 
@@ -519,7 +521,7 @@ class RouterService:
                 msg.request_id,
                 decision.worker_id,
             )
-        if msg.reply_to and not msg.reply_to.startswith(REPLY_PREFIX):
+        if msg.reply_to and not is_reply_inbox(msg.reply_to, REPLY_PREFIXES):
             # The router publishes with its own rights, which include `decisions.*`: an
             # event naming another request's decision subject as its reply_to would have it
             # write a second, unchecked decision there (the stream records core publishes).
@@ -527,7 +529,7 @@ class RouterService:
                 "request %s: reply_to %r is not an inbox (%s...): not answered",
                 msg.request_id,
                 msg.reply_to[:80],
-                REPLY_PREFIX,
+                REPLY_PREFIXES[0],
             )
         elif msg.reply_to:
             try:

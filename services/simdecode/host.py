@@ -6,9 +6,12 @@ finishes the step. Steps are chained on a deadline (the next step starts when th
 one should have ended), so event-loop jitter does not accumulate into the simulated clock.
 
 Bus surface per worker: `DecodeJob` requests on `{ns}.sim.decode.{worker}` (answered at
-once), `LoadReport`s on `{ns}.load.{worker}` every report interval, a `DecodeProfile` on
-`{ns}.profiles.{worker}` per finished request, and a `SimStats` answer to every
-`SimStatsRequest` on `{ns}.sim.stats`.
+once), `LoadReport`s on `{ns}.load.{worker}` every report interval, a `DecodeJobDone` to
+the job's `done_to` inbox when its decode ends (what the real gateway sees when the
+response stream closes; the simulated gateway turns it into the same `RequestFinished`),
+a `DecodeProfile` on `{ns}.profiles.{worker}` per finished request unless
+`publish_profiles` is off (a real vLLM decode instance publishes one only with the capture
+plugin on), and a `SimStats` answer to every `SimStatsRequest` on `{ns}.sim.stats`.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from eldr.sim.worker import BatchingWorker, FinishedRequest
 from eldr.wire import (
     DecodeJob,
     DecodeJobAck,
+    DecodeJobDone,
     DecodeProfile,
     LoadReport,
     NdArray,
@@ -136,6 +140,9 @@ class HostConfig:
     report_interval_s: float = 0.1
     drain_grace_s: float = 5.0
     profile_queue: int = 10_000
+    publish_profiles: bool = True
+    """Publish a DecodeProfile per finished request (off: like a decode instance without
+    the capture plugin; the finish events alone close the loop)."""
 
 
 @dataclass
@@ -186,6 +193,8 @@ class SimDecodeHost:
         self._profiles: asyncio.Queue[tuple[str, FinishedRequest]] = asyncio.Queue(
             maxsize=config.profile_queue
         )
+        self._done_to: dict[str, str] = {}
+        """request id -> the inbox its DecodeJobDone goes to, while it decodes."""
         self._report_task: asyncio.Task[None] | None = None
         self._profile_task: asyncio.Task[None] | None = None
 
@@ -240,6 +249,8 @@ class SimDecodeHost:
                     await live.task
                 live.task = None
             dropped = live.state.abandon()
+            for rid in dropped:
+                await self._say_done(rid, wid, "abort", 0)
             if dropped:
                 abandoned += len(dropped)
                 self.metrics.abandoned.labels(wid).inc(len(dropped))
@@ -300,6 +311,8 @@ class SimDecodeHost:
             log.warning("simdecode %s refused %s: %s", wid, job.request_id, reason)
             return DecodeJobAck(request_id=job.request_id, accepted=False, reason=reason)
         self.metrics.jobs.labels(wid, "accepted").inc()
+        if job.done_to is not None:
+            self._done_to[job.request_id] = job.done_to
         live.admitted_now.append(job.request_id)
         self._update_gauges(wid, live.state)
         live.wake.set()
@@ -407,9 +420,29 @@ class SimDecodeHost:
         while True:
             wid, done = await self._profiles.get()
             try:
-                await self._publish_profile(wid, done)
+                await self._say_done(done.request_id, wid, "length", done.decode_tokens)
+                if self.config.publish_profiles:
+                    await self._publish_profile(wid, done)
             finally:
                 self._profiles.task_done()
+
+    async def _say_done(self, request_id: str, wid: str, reason: str, tokens: int) -> None:
+        """Tell the job's sender its decode ended (the simulated end of the response)."""
+        inbox = self._done_to.pop(request_id, None)
+        if inbox is None:
+            return
+        try:
+            await self.bus.publish(
+                inbox,
+                DecodeJobDone(
+                    request_id=request_id,
+                    worker_id=wid,
+                    reason=reason,  # type: ignore[arg-type]
+                    output_tokens=tokens,
+                ),
+            )
+        except BusError as exc:
+            log.warning("simdecode %s: end of %s not reported: %s", wid, request_id, exc)
 
     async def _publish_profile(self, wid: str, done: FinishedRequest) -> None:
         try:

@@ -29,6 +29,7 @@ def host_config(settings: SimDecodeSettings) -> HostConfig:
         report_interval_s=settings.simdecode_report_interval_s,
         drain_grace_s=settings.simdecode_drain_grace_s,
         profile_queue=settings.simdecode_profile_queue,
+        publish_profiles=settings.simdecode_publish_profiles,
     )
 
 

@@ -73,6 +73,12 @@ class SimDecodeSettings(CommonSettings):
         description="DecodeProfiles waiting to be published; beyond it they are dropped "
         "and counted.",
     )
+    simdecode_publish_profiles: bool = Field(
+        default=True,
+        description="Publish a DecodeProfile per finished request. Off: like a real decode "
+        "instance without the capture plugin; the simulated gateway's finish events alone "
+        "tell the routers a request ended.",
+    )
 
     @field_validator("simdecode_workers")
     @classmethod

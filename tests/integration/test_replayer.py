@@ -29,6 +29,7 @@ from eldr.wire import (
     DecodeJobAck,
     LoadReport,
     PrefillDone,
+    RequestFinished,
     SparseCounts,
 )
 from eldr_services.simdecode.service import setup as simdecode_setup
@@ -249,6 +250,41 @@ async def test_decode_jobs_reach_the_chosen_simulated_workers(
     if expected <= admitted:
         all_admitted.set()
     await asyncio.wait_for(all_admitted.wait(), timeout=WAIT_S)
+
+
+async def test_every_replayed_request_ends_in_one_finish_event(
+    bus: Bus, traces: TraceSet, simdecode: None
+) -> None:
+    # The simulated gateway publishes what the real one does: one RequestFinished per
+    # request when its (simulated) decode response ends.
+    events: dict[str, list[RequestFinished]] = {}
+    got_all = asyncio.Event()
+
+    async def on_finished(event: RequestFinished, delivery: Delivery) -> None:
+        assert delivery.subject == bus.subjects.finished("p0")
+        events.setdefault(event.request_id, []).append(event)
+        if len(events) == 12:
+            got_all.set()
+
+    await bus.subscribe(bus.subjects.finished_all, RequestFinished, on_finished)
+    router = StandInRouter(bus)
+    await router.start()
+    async with TraceReplayer(bus, traces, config(send_jobs=True, rate_per_s=200.0)) as replayer:
+        await replayer.run(12)
+        ids = {r.request_id for r in replayer.records}
+        await asyncio.wait_for(got_all.wait(), timeout=WAIT_S)
+    assert set(events) == ids
+    records = {r.request_id: r for r in replayer.records}
+    for rid, (event, *more) in events.items():
+        assert more == []
+        record = records[rid]
+        assert (event.reason, event.worker_id, event.gateway_id) == (
+            "length",
+            record.worker_id,
+            "p0",
+        )
+        assert event.output_tokens == traces.traces[record.trace_index].decode_tokens
+        assert event.decode_s is not None
 
 
 async def test_decision_is_read_from_the_stream_when_the_reply_is_lost(

@@ -17,6 +17,7 @@ from eldr.settings import BusSettings, RetentionSettings
 from eldr.wire import (
     DecodeJob,
     DecodeJobAck,
+    DecodeJobDone,
     DecodeProfile,
     LoadReport,
     NdArray,
@@ -181,6 +182,25 @@ async def test_finished_request_publishes_its_decode_profile(
     dense[profile.counts.indices()] = profile.counts.values()
     expected = expert_counts(sent.decode_ids.to_numpy(), E)
     np.testing.assert_array_equal(dense.reshape(L, E), expected)
+
+
+async def test_the_end_of_a_decode_goes_to_the_jobs_inbox_with_or_without_profiles(
+    simdecode: ServiceFactory, bus: Bus
+) -> None:
+    # Like a real decode instance without the capture plugin: no profile, but the sender
+    # (the simulated gateway) still learns when the response ended.
+    await simdecode(simdecode_publish_profiles=False)
+    profiles = await listen(bus, bus.subjects.profiles_all, DecodeProfile)
+    inbox = bus.new_inbox()
+    done = await listen(bus, inbox, DecodeJobDone)
+    sent = job("r3", "dA", tokens=4)
+    sent = DecodeJob(**{**{f: getattr(sent, f) for f in sent.__struct_fields__}, "done_to": inbox})
+    await bus.request(bus.subjects.sim_decode("dA"), sent, DecodeJobAck)
+    ended = await done.wait_for(lambda d: d.request_id == "r3")  # type: ignore[attr-defined]
+    assert isinstance(ended, DecodeJobDone)
+    assert (ended.worker_id, ended.reason, ended.output_tokens) == ("dA", "length", 4)
+    await asyncio.sleep(0.3)
+    assert profiles.items == []
 
 
 async def test_every_worker_answers_stats_and_reset_clears_them(

@@ -173,6 +173,9 @@ def test_layer_maps_must_fit_the_geometry() -> None:
     ("config", "ids"),
     [
         ({"model_type": "qwen3_moe", "num_hidden_layers": 4, "num_experts": 8}, [0, 1, 2, 3]),
+        # transformers 5 names it num_local_experts (the tiny test model's config.json)
+        ({"model_type": "qwen3_moe", "num_hidden_layers": 2, "num_local_experts": 8}, [0, 1]),
+        ({"model_type": "qwen3_moe", "num_hidden_layers": 2, "num_experts": 0}, []),
         (
             {
                 "model_type": "qwen3_moe",

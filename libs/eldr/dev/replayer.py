@@ -14,6 +14,12 @@ For each request it does what a prefill worker and the gateway in front of it wo
    the DECISIONS stream instead: the router may have decided while the reply was lost).
 4. Send a `DecodeJob` to the chosen simulated decode worker (`{ns}.sim.decode.{worker}`),
    retrying once when nobody answered in time.
+5. When the worker says the request's decode ended (`DecodeJobDone` on this replayer's
+   done inbox: the simulated end of the response stream), publish the same
+   `RequestFinished` event a real gateway publishes on `{ns}.finished.{prefill worker}`;
+   a request that got no decision or whose job was refused ends in one with reason
+   "error". So the routers' and the trainer's bookkeeping gets the finish signal it gets
+   in production, whether or not the simulated workers publish decode profiles.
 
 It records per request the PrefillDone-publish -> Decision latency (monotonic clock), the
 chosen worker and any error, and summarises a run. Arrivals are Poisson at a given rate
@@ -47,15 +53,21 @@ from eldr.wire import (
     Decision,
     DecodeJob,
     DecodeJobAck,
+    DecodeJobDone,
     NdArray,
     PrefillDone,
+    RequestFinished,
     SparseCounts,
     WireError,
 )
 from eldr.wire.base import MAX_BLOCKS_PER_BATCH
+from eldr.wire.messages import FinishReason
 
 log = logging.getLogger(__name__)
 
+MAX_DECODING_TRACKED = 100_000
+"""Jobs remembered between their DecodeJob and their DecodeJobDone (oldest dropped beyond:
+a worker that died never says done)."""
 MAX_ERRORS_KEPT = 20
 """Distinct error messages kept in a summary (the counts are exact)."""
 _STOP_CHECK_S = 0.05
@@ -85,6 +97,9 @@ class ReplayConfig:
     request_id_prefix: str | None = None
     """Request ids are f"{prefix}-{n:06d}"; None = prefill worker + a random run token (the
     DECISIONS stream keeps the first decision per id, so ids must not repeat across runs)."""
+    publish_finished: bool = True
+    """Publish a `RequestFinished` per request, as the gateway does (the finish signal the
+    routers and the trainer rely on); the gateway id is `prefill_worker`."""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -195,7 +210,12 @@ class TraceReplayer:
         self.bus = bus
         self.traces = traces
         self.config = config or ReplayConfig()
-        self.inbox = f"_INBOX.eldr-replay.{uuid.uuid4().hex}"
+        self.inbox = bus.new_inbox()
+        self.done_inbox = bus.new_inbox()
+        """Where simulated decode workers say a job's decode ended (`DecodeJobDone`)."""
+        self._decoding: dict[str, tuple[str, float]] = {}
+        """request id -> (worker, monotonic time its job was sent), until it is done."""
+        self.finished_published = 0
         self.records: list[RequestRecord] = []
         """The last run's per-request records."""
         self._prepared: dict[int, _Prepared] = {}
@@ -211,6 +231,7 @@ class TraceReplayer:
         self._batch_seq = 0
         self._block_batches = 0
         self._subscription: Subscription | None = None
+        self._done_subscription: Subscription | None = None
         self._state = _RunState()
         self._stop = asyncio.Event()
         self._run_token = uuid.uuid4().hex[:8]
@@ -223,11 +244,16 @@ class TraceReplayer:
         """Listen on the reply inbox (done by `run` if needed)."""
         if self._subscription is None:
             self._subscription = await self.bus.subscribe(self.inbox, Decision, self._on_decision)
+        if self._done_subscription is None:
+            self._done_subscription = await self.bus.subscribe(
+                self.done_inbox, DecodeJobDone, self._on_job_done
+            )
 
     async def close(self) -> None:
-        if self._subscription is not None:
-            await self._subscription.stop()
-            self._subscription = None
+        for sub in (self._subscription, self._done_subscription):
+            if sub is not None:
+                await sub.stop()
+        self._subscription = self._done_subscription = None
 
     async def __aenter__(self) -> TraceReplayer:
         await self.start()
@@ -374,6 +400,7 @@ class TraceReplayer:
             record.blocks_published = await self._publish_blocks(prepared)
             decision = await self._prefill_done(record, prepared, state)
             if decision is None:
+                await self._finished(record.request_id, None, "error")
                 return
             record.worker_id = decision.worker_id
             record.policy = decision.policy
@@ -381,9 +408,53 @@ class TraceReplayer:
             record.fallback = decision.fallback
             if self.config.send_jobs:
                 record.job_accepted = await self._send_job(record, prepared, decision)
+                if not record.job_accepted:
+                    await self._finished(record.request_id, decision.worker_id, "error")
         except (BusError, WireError) as exc:
             record.error = f"{type(exc).__name__}: {exc}"
             log.warning("replay %s: %s", record.request_id, record.error)
+            self._decoding.pop(record.request_id, None)
+            await self._finished(record.request_id, record.worker_id, "error")
+
+    async def _on_job_done(self, done: DecodeJobDone, _: Delivery) -> None:
+        sent = self._decoding.pop(done.request_id, None)
+        if sent is None:
+            return  # not ours, or reported twice
+        worker, sent_s = sent
+        await self._finished(
+            done.request_id,
+            worker,
+            done.reason,
+            output_tokens=done.output_tokens,
+            decode_s=time.monotonic() - sent_s,
+        )
+
+    async def _finished(
+        self,
+        request_id: str,
+        worker: str | None,
+        reason: FinishReason,
+        *,
+        output_tokens: int | None = None,
+        decode_s: float | None = None,
+    ) -> None:
+        """Publish the request's RequestFinished, as the gateway would (never raises)."""
+        if not self.config.publish_finished:
+            return
+        event = RequestFinished(
+            request_id=request_id,
+            gateway_id=self.config.prefill_worker,
+            ts_s=time.time(),
+            reason=reason,
+            worker_id=worker,
+            output_tokens=output_tokens,
+            decode_s=decode_s,
+        )
+        try:
+            await self.bus.publish(self.bus.subjects.finished(self.config.prefill_worker), event)
+            self.finished_published += 1
+        except BusError as exc:
+            log.warning("replay %s: finish event not published: %s", request_id, exc)
 
     async def _publish_blocks(self, prepared: _Prepared) -> int:
         """Publish the blocks not published before; wait for those another request is
@@ -524,7 +595,12 @@ class TraceReplayer:
             prompt_tokens=prepared.n_prompt_tokens,
             decode_ids=prepared.decode_ids,
             label=prepared.label[:256],
+            done_to=self.done_inbox if self.config.publish_finished else None,
         )
+        if self.config.publish_finished:
+            self._decoding[record.request_id] = (decision.worker_id, time.monotonic())
+            while len(self._decoding) > MAX_DECODING_TRACKED:
+                self._decoding.pop(next(iter(self._decoding)))
         subject = self.bus.subjects.sim_decode(decision.worker_id)
         for attempt in (1, 2):
             try:
@@ -538,6 +614,7 @@ class TraceReplayer:
                 continue
             if not ack.accepted:
                 record.error = f"job refused by {decision.worker_id}: {ack.reason}"
+                self._decoding.pop(record.request_id, None)
             return ack.accepted
         return False  # not reached: the second failure raises
 

@@ -275,6 +275,44 @@ class StepResult:
         return self._done_messages
 
 
+def unavailable_prefill_done(
+    *,
+    request_id: str,
+    model: str,
+    prefill_worker: str,
+    n_prompt_tokens: int,
+    reply_to: str | None,
+    max_tokens: int | None,
+    block_size: int,
+    geometry: tuple[int, int] | None,
+    problem: str,
+    wall_s: float,
+) -> PrefillDone:
+    """A PrefillDone for a prompt whose routing could not be captured: no block hashes,
+    no counts, `capture = "unavailable"`, so a router decides load-only at once (recorded
+    and counted like any decision) instead of the requester waiting for one that cannot
+    come. `geometry` (MoE layers, experts), if known, is informational: nothing reads it
+    without counts. Published by the capture plugin for a request it cannot capture, and
+    by the gateway for a prefill instance whose plugin says it cannot (or says nothing)."""
+    layers, experts = geometry or (1, 1)
+    return PrefillDone(
+        request_id=request_id[:MAX_ID_LEN],
+        model=model[:MAX_ID_LEN] or "unknown",
+        prefill_worker=prefill_worker,
+        ts_s=wall_s,
+        block_size=block_size,
+        block_hashes=[],
+        n_prompt_tokens=n_prompt_tokens,
+        partial=None,
+        num_moe_layers=layers,
+        num_experts=experts,
+        reply_to=reply_to,
+        max_tokens=max_tokens,
+        attrs={"eldr_capture": problem[:64]},
+        capture="unavailable",
+    )
+
+
 def _cached_blocks(num_computed_tokens: int, n_prompt: int, block_size: int) -> int:
     n_full = n_prompt // block_size
     return min(math.ceil(max(num_computed_tokens, 0) / block_size), n_full)
@@ -349,6 +387,28 @@ class CaptureState:
     def drop(self, engine_id: str) -> None:
         """Forget a request (finished or aborted before its prefill completed)."""
         self.requests.pop(engine_id, None)
+
+    def unavailable(self, capture: RequestCapture, problem: str, wall_s: float) -> PrefillDone:
+        """The load-only PrefillDone of a tracked request whose rows cannot be trusted."""
+        g = self.config.geometry
+        return unavailable_prefill_done(
+            request_id=capture.request_id,
+            model=self.config.model,
+            prefill_worker=self.config.worker_id,
+            n_prompt_tokens=capture.n_prompt,
+            reply_to=capture.reply_to,
+            max_tokens=capture.max_tokens,
+            block_size=self.config.block_size,
+            geometry=(g.num_moe_layers, g.num_experts),
+            problem=problem,
+            wall_s=wall_s,
+        )
+
+    def fail_all(self, problem: str, wall_s: float) -> list[PrefillDone]:
+        """Give up on every request in prefill: each gets a load-only PrefillDone now."""
+        out = [self.unavailable(c, problem, wall_s) for c in self.requests.values()]
+        self.requests.clear()
+        return out
 
     def on_step(
         self,

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from eldr.bus.errors import BusError
-from eldr.vllm.capture import CaptureConfig, Geometry
+from eldr.vllm.capture import CaptureConfig, Geometry, unavailable_prefill_done
 from eldr.vllm.sources import LayerMap, ResponseSource
-from eldr.wire import CaptureStatus, Decision, PrefillDone, RequestFinished
+from eldr.wire import CaptureStatus, Decision, RequestFinished
 from eldr.wire.messages import FinishReason
 
 log = logging.getLogger(__name__)
@@ -186,42 +186,6 @@ class CaptureStates:
         return "capture_off" if status.prefill_capture == "off" else "capture_failed"
 
 
-def unavailable_prefill_done(
-    *,
-    request_id: str,
-    model: str,
-    prefill_worker: str,
-    n_prompt_tokens: int,
-    reply_to: str,
-    max_tokens: int | None,
-    block_size: int,
-    geometry: tuple[int, int] | None,
-    problem: str,
-    wall_s: float,
-) -> PrefillDone:
-    """The PrefillDone the gateway publishes for a prefill that cannot be captured: no
-    block hashes, no counts, `capture = "unavailable"`, so a router decides load-only at
-    once (recorded and counted like any decision). `geometry` (MoE layers, experts) is the
-    instance's last reported one, if any; nothing reads it without counts."""
-    layers, experts = geometry or (1, 1)
-    return PrefillDone(
-        request_id=request_id,
-        model=model[:256] or "unknown",
-        prefill_worker=prefill_worker,
-        ts_s=wall_s,
-        block_size=block_size,
-        block_hashes=[],
-        n_prompt_tokens=n_prompt_tokens,
-        partial=None,
-        num_moe_layers=layers,
-        num_experts=experts,
-        reply_to=reply_to,
-        max_tokens=max_tokens,
-        attrs={"eldr_capture": problem},
-        capture="unavailable",
-    )
-
-
 def prompt_tokens_of(response: Mapping[str, Any]) -> int:
     """Prompt tokens from a completion response's usage (0 when it does not say)."""
     usage = response.get("usage")
@@ -357,3 +321,16 @@ class FinishTracker:
             decode_s=None if decode_s is None else max(0.0, decode_s),
         )
         return self.final
+
+
+__all__ = [
+    "CaptureStates",
+    "DecisionWaiters",
+    "FinishTracker",
+    "InFlight",
+    "StreamTally",
+    "prompt_tokens_of",
+    "response_outcome",
+    "response_sources",
+    "unavailable_prefill_done",
+]

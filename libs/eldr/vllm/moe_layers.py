@@ -28,6 +28,20 @@ def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
     return inner if isinstance(inner, Mapping) else config
 
 
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+"""Where families (and transformers versions) keep the number of routed experts."""
+
+
+def num_routed_experts(config: Mapping[str, Any]) -> int | None:
+    """Routed experts per MoE layer, if the configuration says (under any of its names)."""
+    c = text_config(config)
+    for key in EXPERT_COUNT_KEYS:
+        value = c.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
 def moe_layer_ids(config: Mapping[str, Any]) -> list[int] | None:
     """Ids of the hidden layers that are MoE layers, ascending; None when the family's rule
     is not known here (give the list explicitly then)."""
@@ -45,14 +59,14 @@ def moe_layer_ids(config: Mapping[str, Any]) -> list[int] | None:
     if model_type in ("qwen2_moe", "qwen3_moe", "qwen3_next"):
         step = int(c.get("decoder_sparse_step", 1) or 1)
         dense = {int(i) for i in c.get("mlp_only_layers", []) or []}
-        if not int(c.get("num_experts", 0) or 0):
-            return []
+        if any(key in c for key in EXPERT_COUNT_KEYS) and num_routed_experts(c) is None:
+            return []  # the expert count is given, and it is 0: a dense model
         return [i for i in range(n_layers) if i not in dense and (i + 1) % step == 0]
     if model_type.startswith("llama4"):
         step = int(c.get("interleave_moe_layer_step", 1) or 1)
         return list(range(step - 1, n_layers, step))
     if model_type in ("deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe"):
-        if not int(c.get("n_routed_experts", 0) or 0):
+        if any(key in c for key in EXPERT_COUNT_KEYS) and num_routed_experts(c) is None:
             return []
         first = int(c.get("first_k_dense_replace", 0) or 0)
         freq = int(c.get("moe_layer_freq", 1) or 1)

