@@ -97,6 +97,7 @@ from eldr.wire import (
     Message,
     PartitionAnnouncement,
     RefitReply,
+    RequestFinished,
     SparseCounts,
 )
 
@@ -188,8 +189,11 @@ class TrainerObserver(Protocol):
     def took_input(self, kind: str, outcome: str) -> None:
         """A decision or profile was taken or ignored (`outcome` says which and why)."""
 
-    def window_changed(self, with_profile: int, without_profile: int) -> None:
-        """Requests in the training window now."""
+    def window_changed(
+        self, with_profile: int, without_profile: int, finished_without_profile: int = 0
+    ) -> None:
+        """Requests in the training window now (and of those without a decode profile, how
+        many have finished: their profile is not coming)."""
 
     def saw_live_workers(self, count: int) -> None:
         """Decode workers a refit would use now."""
@@ -469,6 +473,16 @@ class Trainer:
         if outcome == "joined":
             self._report_window()
 
+    def add_finished(self, msg: RequestFinished, ts_s: float | None) -> None:
+        """A gateway saw the request's decode end: whatever the profile does, it is over."""
+        if msg.reason == "moved":
+            self.observer.took_input("finished", "moved")
+            return
+        outcome = self.window.finish(msg.request_id, ts_s or self.clock.time())
+        self.observer.took_input("finished", outcome)
+        if outcome == "finished":
+            self._report_window()
+
     def add_load(self, msg: LoadReport, ts_s: float | None) -> None:
         """A decode worker's load report: it is live, with this many requests in flight."""
         self.live.on_report(msg.worker_id, ts_s or self.clock.time(), draining=msg.draining)
@@ -482,7 +496,9 @@ class Trainer:
 
     def _report_window(self) -> None:
         with_profile = self.window.with_profile
-        self.observer.window_changed(with_profile, len(self.window) - with_profile)
+        self.observer.window_changed(
+            with_profile, len(self.window) - with_profile, self.window.finished_without_profile
+        )
 
     # --- schedule --------------------------------------------------------------------------
 
@@ -592,8 +608,16 @@ class Trainer:
         self._observe_fit(outcome)
         report = outcome.report
         moved = "n/a" if report.moved_share is None else f"{100 * report.moved_share:.1f}%"
+        unprofiled = self.window.finished_without_profile
         fitted = (
-            f"{report.n_train} requests ({outcome.n_with_profile} with decode profiles), "
+            f"{report.n_train} requests ({outcome.n_with_profile} with decode profiles"
+            + (
+                f"; {unprofiled} finished without one: is the capture plugin on the decode "
+                "instances (ELDR_VLLM_ROLE=decode)?"
+                if unprofiled and outcome.n_with_profile < self.config.min_profiled
+                else ""
+            )
+            + "), "
             f"{len(outcome.workers)} workers, {report.kept_layers}/{report.of_layers} layers, "
             f"moved {moved}, fit {outcome.fit_s:.3g} s"
         )

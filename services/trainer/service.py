@@ -6,10 +6,11 @@ the settings, feeds it, answers `RefitRequest`s, runs the refit schedule and exp
 it reports as metrics.
 
 Inputs: every routing decision (`{ns}.decisions.*`, with the request's prefill counts),
-decode profiles (`{ns}.profiles.*`) and decode workers' load reports (`{ns}.load.*`). At
-start the training window (`eldr.core.trainwindow`) is rebuilt by replaying the last
-`window_max_age_s` of DECISIONS and PROFILES (and the last `worker_ttl_s` of LOAD); the
-same replays then deliver live messages.
+decode profiles (`{ns}.profiles.*`), the gateways' finish events (`{ns}.finished.*`) and
+decode workers' load reports (`{ns}.load.*`). At start the training window
+(`eldr.core.trainwindow`) is rebuilt by replaying the last `window_max_age_s` of DECISIONS,
+PROFILES and FINISHED (and the last `worker_ttl_s` of LOAD); the same replays then deliver
+live messages.
 
 Refits run on a `RefitRequest` on `{ns}.trainer.refit` ("request"), and when the trainer
 says one is due, checked every TICK_S: every `refit_interval_s` ("schedule"), worker churn
@@ -29,7 +30,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from eldr.bus import Delivery, build_topology
-from eldr.bus.topology import DECISIONS, LOAD, PARTITIONS, PROFILES
+from eldr.bus.topology import DECISIONS, FINISHED, LOAD, PARTITIONS, PROFILES
 from eldr.core.online import DriftBaseline, ShadowResult
 from eldr.core.partition import FitReport
 from eldr.runtime import ServiceContext, service_main
@@ -43,7 +44,14 @@ from eldr.trainer import (
     TrainerConfig,
     TrainerDatabase,
 )
-from eldr.wire import Decision, DecodeProfile, LoadReport, RefitReply, RefitRequest
+from eldr.wire import (
+    Decision,
+    DecodeProfile,
+    LoadReport,
+    RefitReply,
+    RefitRequest,
+    RequestFinished,
+)
 
 from .settings import TrainerSettings
 
@@ -113,7 +121,9 @@ class TrainerMetrics:
         )
         self.window_samples = Gauge(
             "eldr_trainer_window_samples",
-            "Requests in the training window, with and without a decode profile.",
+            "Requests in the training window, with and without a decode profile; "
+            "finished_without: finished (a gateway's finish event) with no profile, i.e. "
+            "whose decode profile is not coming.",
             ["profile"],
             registry=r,
         )
@@ -163,9 +173,12 @@ class TrainerMetrics:
     def took_input(self, kind: str, outcome: str) -> None:
         self.inputs.labels(kind, outcome).inc()
 
-    def window_changed(self, with_profile: int, without_profile: int) -> None:
+    def window_changed(
+        self, with_profile: int, without_profile: int, finished_without_profile: int = 0
+    ) -> None:
         self.window_samples.labels("with").set(with_profile)
         self.window_samples.labels("without").set(without_profile)
+        self.window_samples.labels("finished_without").set(finished_without_profile)
 
     def saw_live_workers(self, count: int) -> None:
         self.live_workers.set(count)
@@ -238,6 +251,12 @@ class TrainerService:
     async def on_profile(self, msg: DecodeProfile, delivery: Delivery) -> None:
         self.trainer.add_profile(msg, delivery.timestamp_s)
 
+    async def on_finished(self, msg: RequestFinished, delivery: Delivery) -> None:
+        if delivery.subject != self.ctx.bus.subjects.finished(msg.gateway_id):
+            self.trainer.observer.took_input("finished", "gateway_mismatch")
+            return
+        self.trainer.add_finished(msg, delivery.timestamp_s)
+
     async def on_load(self, msg: LoadReport, delivery: Delivery) -> None:
         self.trainer.add_load(msg, delivery.timestamp_s)
 
@@ -280,6 +299,13 @@ async def setup(ctx: ServiceContext[TrainerSettings]) -> None:
             subjects.decisions_all,
             Decision,
             svc.on_decision,
+            start_time_s=now_s - s.window_max_age_s,
+        ),
+        await bus.replay(
+            topo.stream_name(FINISHED),
+            subjects.finished_all,
+            RequestFinished,
+            svc.on_finished,
             start_time_s=now_s - s.window_max_age_s,
         ),
     ]

@@ -560,6 +560,14 @@ def build_targets() -> list[Target]:
             trainer_handler("on_profile"),
             seeds,
         ),
+        _target(
+            "finished/trainer",
+            RequestFinished,
+            s("finished"),
+            "replay",
+            trainer_handler("on_finished"),
+            seeds,
+        ),
         _target("load/trainer", LoadReport, s("load"), "replay", trainer_handler("on_load"), seeds),
         _target(
             "trainer.refit/trainer",

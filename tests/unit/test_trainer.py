@@ -117,8 +117,11 @@ class Recorder:
     def took_input(self, kind: str, outcome: str) -> None:
         self._record("took_input", kind, outcome)
 
-    def window_changed(self, with_profile: int, without_profile: int) -> None:
+    def window_changed(
+        self, with_profile: int, without_profile: int, finished_without_profile: int = 0
+    ) -> None:
         self._record("window_changed", with_profile, without_profile)
+        self._record("finished_without_profile", finished_without_profile)
 
     def saw_live_workers(self, count: int) -> None:
         self._record("saw_live_workers", count)

@@ -213,3 +213,48 @@ def test_pick_workers_prefers_the_previous_partitions_workers() -> None:
 def test_pick_workers_refuses_more_than_live() -> None:
     with pytest.raises(ValueError, match="only 2 live"):
         pick_workers(["a", "b"], 3)
+
+
+def test_finished_requests_without_a_profile_are_counted_until_one_arrives() -> None:
+    w = TrainingWindow(max_samples=10, max_age_s=100)
+    w.add_decision("r1", "m", "dw0", row((0, 1)), ts_s=1.0)
+    w.add_decision("r2", "m", "dw0", row((0, 2)), ts_s=1.0)
+    assert w.finish("r1", ts_s=2.0) == "finished"
+    assert w.finish("r1", ts_s=2.1) == "duplicate"
+    assert w.finished_without_profile == 1
+    w.add_profile("r1", row((1, 2)), ts_s=2.2)  # a profile published after the finish
+    assert w.finished_without_profile == 0
+    w.add_profile("r2", row((1, 3)), ts_s=2.3)
+    assert w.finish("r2", ts_s=2.4) == "finished"
+    assert w.finished_without_profile == 0
+
+
+def test_a_finish_before_its_decision_waits_for_it_and_ages_out() -> None:
+    w = TrainingWindow(max_samples=10, max_age_s=10)
+    assert w.finish("r1", ts_s=1.0) == "waiting"
+    w.add_decision("r1", "m", "dw0", row((0, 1)), ts_s=1.5)
+    assert w.finished_without_profile == 1
+    assert w.finish("late", ts_s=1.0) == "waiting"
+    w.expire(now_s=20.0)
+    assert w.finished_without_profile == 0  # r1 aged out with its flag
+    w.add_decision("late", "m", "dw0", row((0, 1)), ts_s=20.0)
+    assert w.finished_without_profile == 0  # the early finish aged out too
+
+
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5)), max_size=80))
+@settings(max_examples=80, deadline=None)
+def test_the_finished_without_profile_count_matches_the_samples(
+    ops: list[tuple[int, int]],
+) -> None:
+    w = TrainingWindow(max_samples=4, max_age_s=1e9)
+    for t, (kind, n) in enumerate(ops):
+        rid = f"r{n}"
+        if kind == 0:
+            w.add_decision(rid, "m", "dw0", row((0, 1)), ts_s=float(t))
+        elif kind == 1:
+            w.add_profile(rid, row((1, 1)), ts_s=float(t))
+        else:
+            w.finish(rid, ts_s=float(t))
+    samples = w.snapshot("m")
+    held = samples.samples if samples is not None else ()
+    assert w.finished_without_profile == sum(s.finished and s.decode is None for s in held)

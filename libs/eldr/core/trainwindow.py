@@ -6,7 +6,10 @@ its decode expert counts. `TrainingWindow` joins the two by request id and keeps
 recent samples: at most `max_samples`, none older than `max_age_s`. A profile can arrive
 before its decision (the two streams are replayed independently at start), so profiles
 without a decision wait in a bounded side table until their decision arrives or they age
-out.
+out. A third input, the gateway's finish event, marks a sample finished whether or not a
+profile ever comes: `finished_without_profile` counts the requests that ended with no
+decode profile (on real vLLM, decode instances without the capture plugin), so a window
+whose decode loop is open shows as such instead of looking merely young.
 
 `LiveWorkers` tracks which decode workers reported recently; those are the workers a
 refit gives clusters to. `pick_workers` chooses k of them when a refit asks for fewer.
@@ -70,6 +73,8 @@ class Sample:
     ts_s: float
     prefill: SparseRow
     decode: SparseRow | None = None
+    finished: bool = False
+    """A finish event for the request was seen (its decode ended)."""
 
 
 @dataclass(frozen=True)
@@ -135,6 +140,7 @@ class WindowSnapshot:
 
 DecisionOutcome = Literal["added", "duplicate", "empty"]
 ProfileOutcome = Literal["joined", "waiting", "duplicate", "shape_mismatch"]
+FinishOutcome = Literal["finished", "waiting", "duplicate"]
 
 
 @dataclass
@@ -162,7 +168,10 @@ class TrainingWindow:
         # from the front.
         self._samples: OrderedDict[str, Sample] = OrderedDict()
         self._orphans: OrderedDict[str, tuple[float, SparseRow]] = OrderedDict()
+        self._early_finishes: OrderedDict[str, float] = OrderedDict()
+        """Finish events whose decision has not arrived (bounded like the orphans)."""
         self._with_profile = 0
+        self._finished_without_profile = 0
         self.added_total = 0
         """Samples ever added (a refit compares it to skip an unchanged window)."""
         self.stats = WindowStats()
@@ -181,6 +190,11 @@ class TrainingWindow:
     def orphan_profiles(self) -> int:
         return len(self._orphans)
 
+    @property
+    def finished_without_profile(self) -> int:
+        """Samples whose request finished and has no decode profile (yet)."""
+        return self._finished_without_profile
+
     def add_decision(
         self, request_id: str, model: str, worker_id: str, prefill: SparseRow, ts_s: float
     ) -> DecisionOutcome:
@@ -196,8 +210,12 @@ class TrainingWindow:
         orphan = self._orphans.pop(request_id, None)
         if orphan is not None and orphan[1].shape == prefill.shape:
             decode = orphan[1]
-        self._samples[request_id] = Sample(request_id, model, worker_id, ts_s, prefill, decode)
+        finished = self._early_finishes.pop(request_id, None) is not None
+        self._samples[request_id] = Sample(
+            request_id, model, worker_id, ts_s, prefill, decode, finished
+        )
         self._with_profile += decode is not None
+        self._finished_without_profile += finished and decode is None
         self.added_total += 1
         while len(self._samples) > self.max_samples:
             self._drop_oldest()
@@ -226,7 +244,25 @@ class TrainingWindow:
             return "shape_mismatch"
         self._samples[request_id] = replace(sample, decode=decode)
         self._with_profile += 1
+        self._finished_without_profile -= sample.finished
         return "joined"
+
+    def finish(self, request_id: str, ts_s: float) -> FinishOutcome:
+        """The request's decode ended (a finish event): mark its sample finished. An event
+        that overtook its decision waits for it (bounded, aged like the orphans)."""
+        sample = self._samples.get(request_id)
+        if sample is None:
+            if request_id in self._early_finishes:
+                return "duplicate"
+            self._early_finishes[request_id] = ts_s
+            while len(self._early_finishes) > self.max_orphans:
+                self._early_finishes.popitem(last=False)
+            return "waiting"
+        if sample.finished:
+            return "duplicate"
+        self._samples[request_id] = replace(sample, finished=True)
+        self._finished_without_profile += sample.decode is None
+        return "finished"
 
     def expire(self, now_s: float) -> int:
         """Drop samples and waiting profiles older than `max_age_s`; returns samples dropped."""
@@ -245,11 +281,14 @@ class TrainingWindow:
                 break
             self._orphans.popitem(last=False)
             self.stats.orphans_dropped += 1
+        while self._early_finishes and next(iter(self._early_finishes.values())) < horizon:
+            self._early_finishes.popitem(last=False)
         return dropped
 
     def _drop_oldest(self) -> None:
         _, sample = self._samples.popitem(last=False)
         self._with_profile -= sample.decode is not None
+        self._finished_without_profile -= sample.finished and sample.decode is None
 
     def groups(self) -> Counter[tuple[str, tuple[int, int]]]:
         """Samples per (model, [layers, experts])."""
