@@ -2,18 +2,30 @@
 
 The benchmark follows the paper's method on recorded expert traces:
 
-1. split the requests (per label) into a calibration set and a disjoint evaluation set;
+1. split the requests (per label) into a calibration set and a disjoint evaluation pool;
 2. fit the signature calibration (counts x IDF, greedy layer mask) and a balanced
-   partition (one centroid per decode worker) on the calibration set only; the oracle gets
-   a partition fitted on the calibration set's *decode* profiles;
-3. for each arrival rate, replay the same Poisson arrival sequence of evaluation requests
+   partition (one centroid per decode worker) on the calibration set only; the
+   `decode_signature` row gets a partition fitted on the calibration set's *decode*
+   profiles and routes each request by its true decode signature, which no router knows at
+   routing time (what the prefill signature leaves on the table; not a bound);
+3. for each arrival rate, replay one Poisson arrival sequence of evaluation requests
    through every policy in the discrete-event simulator (`eldr.sim.cluster`), where each
-   decode step costs what the cost profile says for the experts its batch really activated;
-4. report TPOT P50/P95/P99, the mean number of distinct experts per MoE layer per step,
-   load imbalance, and a summary at the highest rate at which no baseline saturates: the
-   default policy ("eldr_cost", docs/ONLINE.md) and the paper's rule ("eldr") against the
-   best load-only baseline, and whether the default meets issue 8's bar (union at least
-   15% lower, TPOT P50 lower, P99 no higher).
+   decode step costs what the cost profile says for the experts its batch really
+   activated. Arrivals keep copies of one request apart (`eldr.bench.arrivals`): no
+   request is drawn again while an earlier copy is still decoding, where the pool is large
+   enough for the load; where it is not, the run says so and reports, per policy, the
+   share of requests that decoded next to an identical copy on their worker;
+4. on the same arrivals, an offline reference (`eldr.bench.offline_bound`): the lowest
+   union a local search finds over assignments that never load a worker more than the
+   default policy's assignment does at that step, replayed through the simulator;
+5. report per policy and rate TPOT P50/P95/P99, the mean number of distinct experts per
+   MoE layer per step and per decode token, load imbalance and copies; and a summary row per
+   batch target: the default policy ("eldr_cost", docs/ONLINE.md) and the paper's rule
+   ("eldr") against the best load-only baseline *for each metric* (union against the
+   lowest-union baseline, P50 against the best-P50 one, P99 against the best-P99 one, each
+   named), and the share of the offline reference's union cut each reaches. The top-level
+   summary keeps the highest rate at which no baseline saturates, with whether the default
+   meets issue 8's bar (union at least 15% lower, TPOT P50 lower, P99 no higher).
 
 `--variants` adds the tail-safe variants studied (the paper's rule balancing KV tokens,
 the load-bounded band, the cost-aware policy with a partition bonus); `--scenario drift`
@@ -38,6 +50,8 @@ from typing import Any
 
 import numpy as np
 
+from eldr.bench.arrivals import ArrivalDraw, copy_overlap, draw_apart
+from eldr.bench.offline_bound import LockstepModel
 from eldr.core.activity import ExpertDemand, expert_demand
 from eldr.core.costmodel import CostProfile, expected_uniform_union
 from eldr.core.kmeans import balanced_spherical_kmeans
@@ -45,6 +59,8 @@ from eldr.core.policies import (
     DEFAULT_POLICY,
     LOAD_ONLY_POLICIES,
     PAPER_POLICY,
+    Choice,
+    FleetView,
     LoadMeasure,
     Policy,
     PolicySpec,
@@ -53,7 +69,16 @@ from eldr.core.policies import (
 from eldr.core.signature import Calibration, fit_calibration
 from eldr.core.trace import TraceSet, counts_matrix
 from eldr.data.profiles import DEFAULT_PROFILE_FOR_TRACES, load_catalog
-from eldr.sim.cluster import SimConfig, SimRequest, SimResult, flatten_decode_ids, simulate
+from eldr.progress import NO_PROGRESS, Progress, terminal_progress
+from eldr.sim.cluster import (
+    SimConfig,
+    SimRequest,
+    SimResult,
+    flatten_decode_ids,
+    poisson_arrival_times_s,
+    simulate,
+    worker_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +93,12 @@ load-only baseline's, with TPOT P50 lower and P99 no higher."""
 LOCALITY_WEIGHT_VARIANT = 60.0
 """Partition bonus of the "eldr_cost+partition" variant, in expert loads per unit cosine
 (about 2.5 per MoE layer for the 24-layer traces); a variant, not a default."""
+DECODE_SIGNATURE = "decode_signature"
+"""Row of the ELDR band rule fed each request's true decode signature against a partition
+fitted on decode signatures (the core policy "oracle"): locality the prefill signature does
+not see. Not a bound: the default policy beats it in most runs."""
+OFFLINE_BOUND = "offline_bound"
+"""Row of the offline reference: the best assignment the local search found, replayed."""
 
 
 @dataclass(frozen=True)
@@ -83,7 +114,12 @@ def policy_lineup(
 ) -> list[BenchPolicy]:
     """The policies of a run: `names` as given (their own label), plus the variants."""
     measure: LoadMeasure = "kv_tokens" if load_measure == "kv_tokens" else "requests"
-    out = [BenchPolicy(n, PolicySpec(name=n, tau=tau, load_measure=measure)) for n in names]
+    out = [
+        BenchPolicy(DECODE_SIGNATURE, PolicySpec(name="oracle", tau=tau, load_measure=measure))
+        if n in (DECODE_SIGNATURE, "oracle")
+        else BenchPolicy(n, PolicySpec(name=n, tau=tau, load_measure=measure))
+        for n in names
+    ]
     if variants:
         out += [
             BenchPolicy(
@@ -121,8 +157,12 @@ class BenchConfig:
     layer_selection: str = "greedy"
     transform: str = "idf"
     seed: int = 0
-    policies: tuple[str, ...] = (*BASELINES, DEFAULT_POLICY, PAPER_POLICY, "oracle")
+    policies: tuple[str, ...] = (*BASELINES, DEFAULT_POLICY, PAPER_POLICY, DECODE_SIGNATURE)
     variants: bool = False
+    arrivals_apart: bool = True
+    """Keep copies of one request apart (False: draw with replacement, as before issue 17)."""
+    offline_bound: bool = True
+    """Search the offline reference on the primary profile's arrivals (needs the default)."""
 
 
 @dataclass
@@ -248,6 +288,17 @@ def _finite_or_none(x: float) -> float | None:
     return round(float(x), 4) if math.isfinite(x) else None
 
 
+def _step_s_at_batch(cost: CostProfile, traces: TraceSet, batch: float) -> float:
+    """Step time of a batch of `batch` uniformly routed tokens (an over-estimate of real,
+    skewed unions) with the traces' mean KV length."""
+    geometry = traces.geometry
+    mean_decode = float(np.mean([t.decode_tokens for t in traces.traces]))
+    mean_prompt = float(np.mean([t.prompt_tokens for t in traces.traces]))
+    union = expected_uniform_union(geometry.num_experts, geometry.top_k, math.ceil(batch))
+    kv = batch * (mean_prompt + mean_decode / 2.0)
+    return cost.step_time_s(union * geometry.num_moe_layers, kv, batch)
+
+
 def rates_for_batch_targets(
     cost: CostProfile, traces: TraceSet, decoders: int, targets: Sequence[float]
 ) -> list[float]:
@@ -257,22 +308,47 @@ def rates_for_batch_targets(
     model says for the union of B uniformly routed tokens (an over-estimate of real,
     skewed unions, so real batches come out slightly smaller). rate = B * W / duration.
     """
-    geometry = traces.geometry
     mean_decode = float(np.mean([t.decode_tokens for t in traces.traces]))
-    mean_prompt = float(np.mean([t.prompt_tokens for t in traces.traces]))
-    rates = []
-    for batch in targets:
-        union = expected_uniform_union(geometry.num_experts, geometry.top_k, math.ceil(batch))
-        kv = batch * (mean_prompt + mean_decode / 2.0)
-        step_s = cost.step_time_s(union * geometry.num_moe_layers, kv, batch)
-        rates.append(round(batch * decoders / (mean_decode * step_s), 1))
-    return rates
+    return [
+        round(batch * decoders / (mean_decode * _step_s_at_batch(cost, traces, batch)), 1)
+        for batch in targets
+    ]
 
 
-def _arrivals(prepared: Prepared, n: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng([seed, 3])
-    ev = prepared.evaluation_idx
-    return ev[rng.integers(ev.size, size=n)]
+def expected_step_s(cost: CostProfile, traces: TraceSet, decoders: int, rate: float) -> float:
+    """The step time at the batch Little's law gives for `rate` (rates_for_batch_targets'
+    estimate, inverted by fixed-point iteration)."""
+    mean_decode = float(np.mean([t.decode_tokens for t in traces.traces]))
+    batch = 1.0
+    for _ in range(50):
+        batch = max(1.0, rate * mean_decode * _step_s_at_batch(cost, traces, batch) / decoders)
+    return _step_s_at_batch(cost, traces, batch)
+
+
+def draw_arrivals(
+    prepared: Prepared, cost: CostProfile, rate: float, config: BenchConfig
+) -> ArrivalDraw:
+    """Which evaluation request arrives when, for one rate (identical for every policy).
+
+    Copies of one request are kept apart for their estimated decode time
+    (`eldr.bench.arrivals`); with `arrivals_apart` off, requests are drawn with replacement.
+    """
+    arrival_s = poisson_arrival_times_s(rate, config.arrivals_per_rate, config.seed)
+    pool = prepared.evaluation_idx
+    tokens = np.array([r.decode_tokens for r in prepared.requests], dtype=np.float64)
+    hold_s = tokens * expected_step_s(cost, prepared.traces, config.decoders, rate)
+    if config.arrivals_apart:
+        return draw_apart(pool, hold_s, arrival_s, np.random.default_rng([config.seed, 3]))
+    rng = np.random.default_rng([config.seed, 3])
+    requests = pool[rng.integers(pool.size, size=arrival_s.size)]
+    return ArrivalDraw(
+        requests=requests,
+        arrival_s=arrival_s,
+        forced=np.zeros(arrival_s.size, dtype=bool),
+        pool_size=int(pool.size),
+        expected_in_flight=round(rate * float(np.mean(hold_s[pool])), 1),
+        method="with replacement",
+    )
 
 
 def run_policy(
@@ -282,8 +358,10 @@ def run_policy(
     rate: float,
     config: BenchConfig,
     arrivals: np.ndarray,
+    policy: Policy | None = None,
 ) -> SimResult:
-    policy = make_policy(spec)
+    """Simulate one policy (`policy` overrides `spec`'s) on the given arrivals."""
+    policy = policy or make_policy(spec)
     scores: np.ndarray | None = None
     if spec.name == "oracle":
         scores = prepared.oracle_scores
@@ -309,101 +387,263 @@ def run_policy(
     )
 
 
-def _row(res: SimResult, bp: BenchPolicy, profile: str) -> dict[str, Any]:
-    spec = bp.spec
+class FixedAssignment(Policy):
+    """Routes the i-th arrival to the worker an offline assignment gave it (benchmark only)."""
+
+    name = OFFLINE_BOUND
+
+    def __init__(self, assignment: np.ndarray) -> None:
+        self._assignment = np.asarray(assignment, dtype=np.int64)
+        self._next = 0
+
+    def choose(self, view: FleetView, rng: np.random.Generator) -> Choice:
+        worker = worker_name(int(self._assignment[self._next]))
+        self._next += 1
+        return Choice(index=view.workers.index(worker))
+
+
+def search_offline_bound(
+    prepared: Prepared,
+    cost: CostProfile,
+    rate: float,
+    config: BenchConfig,
+    draw: ArrivalDraw,
+    default: SimResult,
+) -> tuple[SimResult, dict[str, Any]]:
+    """The offline reference on these arrivals (`eldr.bench.offline_bound`), simulated.
+
+    Lockstep steps last the default's median TPOT; the ceiling at each step is the largest
+    batch of the default's own assignment at that step, which is also the search's start.
+    """
+    started = time.perf_counter()
+    step_s = float(np.median(default.tpot_s))
+    model = LockstepModel(
+        [r.decode_flat for r in prepared.requests],
+        draw.requests,
+        draw.arrival_s,
+        step_s,
+        config.decoders,
+        prepared.traces.geometry.signature_dim,
+    )
+    cap = model.batches(default.worker_of).max(axis=0)
+    found = model.search([default.worker_of], cap)
+    res = run_policy(
+        prepared,
+        PolicySpec(name=OFFLINE_BOUND),
+        cost,
+        rate,
+        config,
+        draw.requests,
+        policy=FixedAssignment(found.assignment),
+    )
+    info = {
+        "ceiling": f"per step, the largest batch of {DEFAULT_POLICY}'s assignment",
+        "start": DEFAULT_POLICY,
+        "lockstep_step_ms": round(step_s * 1e3, 4),
+        "lockstep_loads_start": found.start_loads[found.start],
+        "lockstep_loads_found": found.loads,
+        "passes": found.passes,
+        "moves": found.moves,
+        "search_s": round(time.perf_counter() - started, 2),
+    }
+    return res, info
+
+
+def _row(
+    res: SimResult, label: str, params: dict[str, Any], profile: str, draw: ArrivalDraw
+) -> dict[str, Any]:
+    measured_from = res.worker_of.size - res.tpot_s.size
+    copies = copy_overlap(
+        draw.requests, res.worker_of, res.assigned_s, res.finished_s, measured_from
+    )
+    tokens = float(res.batch_steps.sum())
     return {
-        "policy": bp.label,
+        "policy": label,
         "profile": profile,
         "rate": res.arrival_rate_per_s,
         "tpot_p50_ms": round(res.tpot_percentile_ms(50), 4),
         "tpot_p95_ms": round(res.tpot_percentile_ms(95), 4),
         "tpot_p99_ms": round(res.tpot_percentile_ms(99), 4),
         "expert_union_mean": round(res.expert_union_mean, 4),
+        "expert_union_per_token": (
+            round(float(res.union_per_layer_steps.sum()) / tokens, 5) if tokens else math.nan
+        ),
         "batch_mean": round(res.batch_mean, 3),
         "imbalance": round(res.imbalance, 4),
         "queued_share": round(res.queued_share, 4),
         "saturated": res.queued_share > SATURATION_QUEUED_SHARE,
+        "copies_in_flight_share": copies.in_flight_share,
+        "copies_same_worker_share": copies.same_worker_share,
         "fallbacks": dict(res.fallbacks),
-        "params": make_policy(spec).params(),
-        **({"tau": spec.tau} if spec.name in ("eldr", "eldr_bounded", "oracle") else {}),
+        "params": params,
     }
+
+
+def _spec_row(res: SimResult, bp: BenchPolicy, profile: str, draw: ArrivalDraw) -> dict[str, Any]:
+    spec = bp.spec
+    row = _row(res, bp.label, make_policy(spec).params(), profile, draw)
+    if spec.name in ("eldr", "eldr_bounded", "oracle"):
+        row["tau"] = spec.tau
+    return row
 
 
 def _pct(new: float, base: float) -> float:
     return round(100.0 * (new - base) / base, 2)
 
 
-def summarize(results: list[dict[str, Any]], profile: str) -> dict[str, Any]:
-    """Compare ELDR with the best baseline at the highest rate no baseline saturates."""
-    rows = [r for r in results if r["profile"] == profile]
-    rates = sorted({r["rate"] for r in rows})
-    ok_rates = [
-        rate
-        for rate in rates
-        if not any(r["saturated"] for r in rows if r["rate"] == rate and r["policy"] in BASELINES)
-    ]
-    if not ok_rates:
-        return {"profile": profile, "rate": None, "note": "every rate saturates a baseline"}
-    rate = ok_rates[-1]
-    at = {r["policy"]: r for r in rows if r["rate"] == rate}
+def _share(base: float, policy: float, bound: float) -> float | None:
+    """The policy's reduction from `base` as a share of the bound's (None: no reduction)."""
+    if not bound < base:
+        return None
+    return round((base - policy) / (base - bound), 3)
+
+
+def summarize_rate(
+    rows: Sequence[dict[str, Any]],
+    profile: str,
+    arrivals: dict[str, Any] | None = None,
+    batch_target: float | None = None,
+) -> dict[str, Any]:
+    """One summary row: every non-baseline policy against the best baseline of each metric.
+
+    Union (per step and per decode token) against the lowest-union baseline, TPOT P50
+    against the best-P50 baseline, P99 against the best-P99 baseline, each named; the
+    share of the offline reference's union cut (against the lowest-union baseline) each
+    policy reaches; and the copies each policy put next to each other.
+    """
+    at = {r["policy"]: r for r in rows}
+    rate = rows[0]["rate"] if rows else None
     baselines = [at[p] for p in BASELINES if p in at]
-    best = min(baselines, key=lambda r: (r["tpot_p50_ms"], r["tpot_p99_ms"]))
-    out: dict[str, Any] = {"profile": profile, "rate": rate, "best_baseline": best["policy"]}
+    out: dict[str, Any] = {"profile": profile, "rate": rate}
+    if batch_target is not None:
+        out["batch_target"] = batch_target
+    if not baselines:
+        out["note"] = "no load-only baseline in the run"
+        return out
+    p50 = min(baselines, key=lambda r: (r["tpot_p50_ms"], r["tpot_p99_ms"]))
+    p99 = min(baselines, key=lambda r: (r["tpot_p99_ms"], r["tpot_p50_ms"]))
+    union = min(baselines, key=lambda r: (r["expert_union_mean"], r["tpot_p50_ms"]))
+    per_token = min(baselines, key=lambda r: (r["expert_union_per_token"], r["tpot_p50_ms"]))
+    bound = at.get(OFFLINE_BOUND)
+    out.update(
+        {
+            "best_baseline": p50["policy"],  # by TPOT P50, as before
+            "best_p50_baseline": p50["policy"],
+            "best_p99_baseline": p99["policy"],
+            "best_union_baseline": union["policy"],
+            "best_union_per_token_baseline": per_token["policy"],
+            "best_baseline_tpot_p50_ms": p50["tpot_p50_ms"],
+            "best_baseline_tpot_p99_ms": p99["tpot_p99_ms"],
+            "best_baseline_union": union["expert_union_mean"],
+            "best_baseline_union_per_token": per_token["expert_union_per_token"],
+            "baseline_saturated": any(r["saturated"] for r in baselines),
+            "batch_mean": at.get(DEFAULT_POLICY, p50)["batch_mean"],
+        }
+    )
+    if arrivals is not None:
+        out["arrivals"] = arrivals
+
+    def versus(e: dict[str, Any]) -> dict[str, Any]:
+        v: dict[str, Any] = {
+            "union_pct": _pct(e["expert_union_mean"], union["expert_union_mean"]),
+            "union_per_token_pct": _pct(
+                e["expert_union_per_token"], per_token["expert_union_per_token"]
+            ),
+            "tpot_p50_pct": _pct(e["tpot_p50_ms"], p50["tpot_p50_ms"]),
+            "tpot_p99_pct": _pct(e["tpot_p99_ms"], p99["tpot_p99_ms"]),
+            "imbalance": e["imbalance"],
+            "copies_same_worker_share": e["copies_same_worker_share"],
+        }
+        if bound is not None and e is not bound:
+            v["share_of_offline_bound"] = _share(
+                union["expert_union_mean"], e["expert_union_mean"], bound["expert_union_mean"]
+            )
+            v["share_of_offline_bound_per_token"] = _share(
+                per_token["expert_union_per_token"],
+                e["expert_union_per_token"],
+                bound["expert_union_per_token"],
+            )
+        return v
+
+    out["policies"] = {r["policy"]: versus(r) for r in rows if r["policy"] not in BASELINES}
+    out["copies_same_worker_share"] = {r["policy"]: r["copies_same_worker_share"] for r in rows}
+    out["copies_in_flight_share"] = {r["policy"]: r["copies_in_flight_share"] for r in rows}
     for key, label in (("default", DEFAULT_POLICY), ("eldr", PAPER_POLICY)):
         if label not in at:
             continue
-        e = at[label]
+        v = out["policies"][label]
         if key == "default":
             out["default_policy"] = label
-        out[f"{key}_vs_best_baseline_tpot_p50_pct"] = _pct(e["tpot_p50_ms"], best["tpot_p50_ms"])
-        out[f"{key}_vs_best_baseline_tpot_p99_pct"] = _pct(e["tpot_p99_ms"], best["tpot_p99_ms"])
-        out[f"{key}_vs_best_baseline_union_pct"] = _pct(
-            e["expert_union_mean"], best["expert_union_mean"]
-        )
+        out[f"{key}_vs_best_baseline_tpot_p50_pct"] = v["tpot_p50_pct"]
+        out[f"{key}_vs_best_baseline_tpot_p99_pct"] = v["tpot_p99_pct"]
+        out[f"{key}_vs_best_baseline_union_pct"] = v["union_pct"]
+        out[f"{key}_vs_best_baseline_union_per_token_pct"] = v["union_per_token_pct"]
+        if "share_of_offline_bound" in v:
+            out[f"{key}_share_of_offline_bound"] = v["share_of_offline_bound"]
     if DEFAULT_POLICY in at:
-        union_pct = out["default_vs_best_baseline_union_pct"]
+        e = at[DEFAULT_POLICY]
         out["default_meets_target"] = bool(
-            union_pct <= TARGET_UNION_PCT
-            and at[DEFAULT_POLICY]["tpot_p50_ms"] < best["tpot_p50_ms"]
-            and at[DEFAULT_POLICY]["tpot_p99_ms"] <= best["tpot_p99_ms"]
+            out["default_vs_best_baseline_union_pct"] <= TARGET_UNION_PCT
+            and e["tpot_p50_ms"] < p50["tpot_p50_ms"]
+            and e["tpot_p99_ms"] <= p99["tpot_p99_ms"]
         )
-    variants = [
-        r["policy"]
-        for r in at.values()
-        if r["policy"] not in BASELINES and r["policy"] not in (DEFAULT_POLICY, PAPER_POLICY)
-    ]
-    for label in variants:
-        if label == "oracle":
-            continue
-        e = at[label]
-        out.setdefault("variants_vs_best_baseline", {})[label] = {
-            "union_pct": _pct(e["expert_union_mean"], best["expert_union_mean"]),
-            "tpot_p50_pct": _pct(e["tpot_p50_ms"], best["tpot_p50_ms"]),
-            "tpot_p99_pct": _pct(e["tpot_p99_ms"], best["tpot_p99_ms"]),
-        }
-    if "oracle" in at:
-        o = at["oracle"]
-        out["oracle_vs_best_baseline_union_pct"] = _pct(
-            o["expert_union_mean"], best["expert_union_mean"]
-        )
-        for key, label in (("default", DEFAULT_POLICY), ("eldr", PAPER_POLICY)):
-            if label in at and o["expert_union_mean"] < best["expert_union_mean"]:
-                captured = (best["expert_union_mean"] - at[label]["expert_union_mean"]) / (
-                    best["expert_union_mean"] - o["expert_union_mean"]
-                )
-                out[f"{key}_share_of_oracle_union_reduction"] = round(float(captured), 3)
+    named = (DEFAULT_POLICY, PAPER_POLICY, DECODE_SIGNATURE, OFFLINE_BOUND)
+    for label, v in out["policies"].items():
+        if label not in named:
+            out.setdefault("variants_vs_best_baseline", {})[label] = {
+                k: v[k] for k in ("union_pct", "tpot_p50_pct", "tpot_p99_pct")
+            }
+    for label, key in ((DECODE_SIGNATURE, "decode_signature"), (OFFLINE_BOUND, "offline_bound")):
+        if label in out["policies"]:
+            out[f"{key}_vs_best_baseline_union_pct"] = out["policies"][label]["union_pct"]
     return out
 
 
-def run_bench(traces: TraceSet, config: BenchConfig) -> dict[str, Any]:
+def summarize(
+    results: list[dict[str, Any]],
+    profile: str,
+    arrivals_by_rate: dict[float, dict[str, Any]] | None = None,
+    targets_by_rate: dict[float, float] | None = None,
+) -> dict[str, Any]:
+    """A summary row per rate (`by_target`), and at the top level the row of the highest
+    rate at which no baseline saturates (the keys `eldr bench` has always reported)."""
+    rows = [r for r in results if r["profile"] == profile]
+    rates = sorted({r["rate"] for r in rows})
+    by_target = [
+        summarize_rate(
+            [r for r in rows if r["rate"] == rate],
+            profile,
+            (arrivals_by_rate or {}).get(rate),
+            (targets_by_rate or {}).get(rate),
+        )
+        for rate in rates
+    ]
+    ok = [s for s in by_target if "best_baseline" in s and not s["baseline_saturated"]]
+    if not ok:
+        return {
+            "profile": profile,
+            "rate": None,
+            "note": "every rate saturates a baseline",
+            "by_target": by_target,
+        }
+    return {**ok[-1], "by_target": by_target}
+
+
+def run_bench(
+    traces: TraceSet, config: BenchConfig, progress: Progress = NO_PROGRESS
+) -> dict[str, Any]:
     """Run the whole benchmark and return the JSON-ready result."""
     started = time.perf_counter()
     catalog = load_catalog()
     primary = catalog.get(config.profile)
+    progress.describe("calibrating")
     prepared = prepare(traces, config)
     profiles = [primary] + [catalog.get(name) for name in config.whatif_profiles]
     results: list[dict[str, Any]] = []
     rates_by_profile: dict[str, list[float]] = {}
+    arrivals_by_profile: dict[str, dict[float, dict[str, Any]]] = {}
+    targets_by_profile: dict[str, dict[float, float]] = {}
+    bound_info: dict[str, dict[str, Any]] = {}
     lineup = policy_lineup(config.policies, config.tau, config.load_measure, config.variants)
     for cost in profiles:
         rates = (
@@ -412,11 +652,20 @@ def run_bench(traces: TraceSet, config: BenchConfig) -> dict[str, Any]:
             else rates_for_batch_targets(cost, traces, config.decoders, config.batch_targets)
         )
         rates_by_profile[cost.name] = rates
+        if not config.rates:
+            targets_by_profile[cost.name] = dict(zip(rates, config.batch_targets, strict=True))
+        arrivals_by_profile[cost.name] = {}
         for rate in rates:
-            arrivals = _arrivals(prepared, config.arrivals_per_rate, config.seed)
+            draw = draw_arrivals(prepared, cost, rate, config)
+            arrivals_by_profile[cost.name][rate] = draw.describe()
+            default_res: SimResult | None = None
             for bp in lineup:
-                res = run_policy(prepared, bp.spec, cost, rate, config, arrivals)
-                results.append(_row(res, bp, cost.name))
+                progress.describe(f"{rate:.0f} req/s {bp.label}")
+                res = run_policy(prepared, bp.spec, cost, rate, config, draw.requests)
+                results.append(_spec_row(res, bp, cost.name, draw))
+                if bp.label == DEFAULT_POLICY:
+                    default_res = res
+                progress.advance()
                 log.info(
                     "profile=%s rate=%.1f policy=%s p50=%.3fms p99=%.3fms union=%.3f",
                     cost.name,
@@ -425,6 +674,22 @@ def run_bench(traces: TraceSet, config: BenchConfig) -> dict[str, Any]:
                     results[-1]["tpot_p50_ms"],
                     results[-1]["tpot_p99_ms"],
                     results[-1]["expert_union_mean"],
+                )
+            if cost is primary and config.offline_bound and default_res is not None:
+                progress.describe(f"{rate:.0f} req/s offline bound")
+                res, info = search_offline_bound(prepared, cost, rate, config, draw, default_res)
+                row = _row(res, OFFLINE_BOUND, {}, cost.name, draw)
+                row["search"] = {k: v for k, v in info.items() if k != "search_s"}  # deterministic
+                results.append(row)
+                bound_info[str(rate)] = info
+                progress.advance()
+                log.info(
+                    "profile=%s rate=%.1f offline bound union=%.3f (%d moves, %.1f s)",
+                    cost.name,
+                    rate,
+                    row["expert_union_mean"],
+                    info["moves"],
+                    info["search_s"],
                 )
     geometry = traces.geometry
     return {
@@ -446,6 +711,11 @@ def run_bench(traces: TraceSet, config: BenchConfig) -> dict[str, Any]:
             "decoders": config.decoders,
             "max_batch": config.max_batch,
             "arrivals_per_rate": config.arrivals_per_rate,
+            "arrivals_apart": config.arrivals_apart,
+            "arrivals_by_profile": {
+                name: [{"rate": rate, **info} for rate, info in by_rate.items()]
+                for name, by_rate in arrivals_by_profile.items()
+            },
             "tau": config.tau,
             "load_measure": config.load_measure,
             "policies": [bp.label for bp in lineup],
@@ -455,13 +725,30 @@ def run_bench(traces: TraceSet, config: BenchConfig) -> dict[str, Any]:
             "cost_profile": _profile_info(primary),
             "whatif_profiles": [_profile_info(p) for p in profiles[1:]],
             "rates_by_profile": rates_by_profile,
+            "offline_bound": bound_info,
         },
         "rates": rates_by_profile[primary.name],
         "results": results,
-        "summary": summarize(results, primary.name),
-        "whatif_summaries": [summarize(results, p.name) for p in profiles[1:]],
+        "summary": summarize(
+            results,
+            primary.name,
+            arrivals_by_profile[primary.name],
+            targets_by_profile.get(primary.name),
+        ),
+        "whatif_summaries": [
+            summarize(results, p.name, arrivals_by_profile[p.name], targets_by_profile.get(p.name))
+            for p in profiles[1:]
+        ],
         "wall_s": round(time.perf_counter() - started, 2),
     }
+
+
+def bench_steps(config: BenchConfig, num_rates: int) -> int:
+    """Units of work `run_bench` reports to its progress (simulations and searches)."""
+    profiles = 1 + len(config.whatif_profiles)
+    lineup = len(policy_lineup(config.policies, config.tau, config.load_measure, config.variants))
+    bound = 1 if config.offline_bound and DEFAULT_POLICY in config.policies else 0
+    return num_rates * (profiles * lineup + bound)
 
 
 def _profile_info(cost: CostProfile) -> dict[str, Any]:
@@ -485,13 +772,77 @@ def _profile_info(cost: CostProfile) -> dict[str, Any]:
     return info
 
 
+def _signed(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:+.{digits}f}%"
+
+
+def format_summary(summary: dict[str, Any]) -> list[str]:
+    """The per-target summary rows as text: each metric against its own best baseline."""
+    lines = [
+        f"summary ({summary['profile']}): each metric against the load-only baseline best "
+        "at it; share = the policy's union cut / the offline bound's",
+    ]
+    for t in summary.get("by_target", []):
+        if "best_baseline" not in t:
+            lines.append(f"  rate {t['rate']}: {t.get('note', '')}")
+            continue
+        target = f"batch ~{t['batch_target']:g}, " if "batch_target" in t else ""
+        arr = t.get("arrivals") or {}
+        lines.append("")
+        lines.append(
+            f"  {target}{t['rate']:.1f} req/s (mean batch {t['batch_mean']:.1f})"
+            + ("  [a baseline saturates]" if t["baseline_saturated"] else "")
+        )
+        if arr:
+            if arr.get("apart"):
+                lines.append(
+                    f"    arrivals: no request drawn while a copy of it decodes (pool "
+                    f"{arr['pool_requests']}, ~{arr['expected_in_flight']:.0f} in flight)"
+                )
+            else:
+                why = (
+                    f"pool of {arr['pool_requests']} distinct requests for "
+                    f"~{arr['expected_in_flight']:.0f} in flight"
+                    if arr["method"] == "apart"
+                    else f"drawn with replacement from {arr['pool_requests']} requests"
+                )
+                shares = ", ".join(
+                    f"{k} {100 * v:.1f}%" for k, v in t["copies_same_worker_share"].items()
+                )
+                lines.append(
+                    f"    COPIES IN FLIGHT: {why}; requests that decoded next to an identical "
+                    f"copy on their worker: {shares}"
+                )
+        lines.append(
+            f"    best baselines: union {t['best_union_baseline']} "
+            f"{t['best_baseline_union']:.3f}/step, {t['best_union_per_token_baseline']} "
+            f"{t['best_baseline_union_per_token']:.4f}/token; P50 {t['best_p50_baseline']} "
+            f"{t['best_baseline_tpot_p50_ms']:.3f} ms; P99 {t['best_p99_baseline']} "
+            f"{t['best_baseline_tpot_p99_ms']:.3f} ms"
+        )
+        lines.append(
+            f"    {'policy':<20} {'union/step':>10} {'/token':>8} {'P50':>8} {'P99':>8} "
+            f"{'share of bound':>14} {'imbal':>6} {'next to copy':>12}"
+        )
+        for label, v in t["policies"].items():
+            share = v.get("share_of_offline_bound")
+            lines.append(
+                f"    {label:<20} {_signed(v['union_pct']):>10} "
+                f"{_signed(v['union_per_token_pct']):>8} {_signed(v['tpot_p50_pct'], 2):>8} "
+                f"{_signed(v['tpot_p99_pct'], 2):>8} "
+                f"{'-' if share is None else f'{100 * share:.0f}%':>14} {v['imbalance']:>6.2f} "
+                f"{100 * v['copies_same_worker_share']:>11.1f}%"
+            )
+    return lines
+
+
 def format_table(result: dict[str, Any]) -> str:
-    """Human-readable report: input, per-rate table, summary."""
+    """Human-readable report: input, per-rate table, per-target summary."""
     inp = result["input"]
     lines = [
         f"input: {inp['traces']} ({'SYNTHETIC' if inp['synthetic'] else 'real'} traces), "
         f"{inp['requests']} requests, calibration {inp['calibration_requests']} / "
-        f"evaluation {inp['evaluation_requests']}, {inp['decoders']} decoders, "
+        f"evaluation pool {inp['evaluation_requests']}, {inp['decoders']} decoders, "
         f"profile {inp['cost_profile']['name']} (overhead {inp['cost_profile']['overhead_ms']} ms)",
         f"signature: {inp['signature']['transform']}, "
         f"{inp['signature']['kept_moe_layers']}/{inp['signature']['of_moe_layers']} MoE layers; "
@@ -499,17 +850,24 @@ def format_table(result: dict[str, Any]) -> str:
         f"{inp['partition']['cluster_size_max']} (cap {inp['partition']['capacity']})",
         "",
         f"{'profile':<36} {'rate':>7} {'policy':<20} {'P50 ms':>8} {'P95 ms':>8} "
-        f"{'P99 ms':>8} {'union':>7} {'batch':>6} {'imbal':>6} {'sat':>4}",
+        f"{'P99 ms':>8} {'union':>7} {'/token':>7} {'batch':>6} {'imbal':>6} {'copy':>6} "
+        f"{'sat':>4}",
     ]
     for r in result["results"]:
         lines.append(
             f"{r['profile']:<36} {r['rate']:>7.1f} {r['policy']:<20} {r['tpot_p50_ms']:>8.3f} "
             f"{r['tpot_p95_ms']:>8.3f} {r['tpot_p99_ms']:>8.3f} {r['expert_union_mean']:>7.3f} "
-            f"{r['batch_mean']:>6.2f} {r['imbalance']:>6.2f} {'yes' if r['saturated'] else '':>4}"
+            f"{r['expert_union_per_token']:>7.4f} {r['batch_mean']:>6.2f} "
+            f"{r['imbalance']:>6.2f} {100 * r['copies_same_worker_share']:>5.1f}% "
+            f"{'yes' if r['saturated'] else '':>4}"
         )
+    lines.append(
+        "(union: distinct experts per MoE layer per step; /token: per decode token; copy: "
+        "requests that decoded next to an identical copy on their worker)"
+    )
     for s in [result["summary"], *result.get("whatif_summaries", [])]:
         lines.append("")
-        lines.append(f"summary ({s['profile']}): " + json.dumps(s))
+        lines.extend(format_summary(s))
     lines.append(f"wall time {result['wall_s']} s")
     return "\n".join(lines)
 
@@ -527,7 +885,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     for policy in dict.fromkeys(r["policy"] for r in rows):
         pr = sorted((r for r in rows if r["policy"] == policy), key=lambda r: r["rate"])
         x = [r["rate"] for r in pr]
-        style = "--" if policy in BASELINES else "-"
+        style = "--" if policy in BASELINES else (":" if policy == OFFLINE_BOUND else "-")
         axes[0].plot(x, [r["tpot_p50_ms"] for r in pr], style, marker="o", label=policy)
         axes[1].plot(x, [r["tpot_p99_ms"] for r in pr], style, marker="o", label=policy)
         axes[2].plot(x, [r["expert_union_mean"] for r in pr], style, marker="o", label=policy)
@@ -585,7 +943,8 @@ def register(subparsers: Any) -> None:
         "--policies",
         default=None,
         help="comma-separated policies to run (default: the four baselines, "
-        f"{DEFAULT_POLICY} (default), {PAPER_POLICY} (the paper's rule), oracle)",
+        f"{DEFAULT_POLICY} (default), {PAPER_POLICY} (the paper's rule), {DECODE_SIGNATURE} "
+        "(the band rule fed the true decode signature))",
     )
     p.add_argument(
         "--variants",
@@ -623,7 +982,9 @@ def register(subparsers: Any) -> None:
         help="max running requests per worker (vLLM max_num_seqs)",
     )
     p.add_argument("--calibration-fraction", type=float, default=0.4)
-    p.add_argument("--quick", action="store_true", help="fewer rates and arrivals (under 60 s)")
+    p.add_argument(
+        "--quick", action="store_true", help="batch targets 8, 16, 32 and 3,000 arrivals each"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--seeds",
@@ -632,14 +993,42 @@ def register(subparsers: Any) -> None:
         help="comma-separated seeds: run the whole benchmark once per seed (split, "
         "partition, arrivals) and report the summaries side by side with the worst case",
     )
+    p.add_argument(
+        "--with-replacement",
+        action="store_true",
+        help="draw arrivals with replacement (copies of a request may decode side by side; "
+        "the benchmark before issue 17), to compare",
+    )
+    p.add_argument(
+        "--no-offline-bound",
+        action="store_true",
+        help="skip the offline reference (the local search over balanced assignments)",
+    )
     p.add_argument("--json", type=Path, help="write the result as JSON here")
     p.add_argument("--plot", type=Path, help="write a PNG plot here (default: next to --json)")
     p.set_defaults(func=_main)
 
 
 def robustness(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Worst case over seeds of the default's and the paper rule's summary numbers."""
-    out: dict[str, Any] = {"seeds": len(summaries)}
+    """Worst case over seeds of the default's and the paper rule's summary numbers, at the
+    summary's rate and per batch target (by position in `by_target`)."""
+    out: dict[str, Any] = {"seeds": len(summaries), **_worst(summaries)}
+    met = [s.get("default_meets_target") for s in summaries]
+    out["default_meets_target_every_seed"] = bool(met) and all(m is True for m in met)
+    targets = min((len(s.get("by_target", [])) for s in summaries), default=0)
+    out["by_target"] = [
+        {
+            "batch_target": summaries[0]["by_target"][i].get("batch_target"),
+            "rates": [s["by_target"][i].get("rate") for s in summaries],
+            **_worst([s["by_target"][i] for s in summaries]),
+        }
+        for i in range(targets)
+    ]
+    return out
+
+
+def _worst(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
     for key in ("default", "eldr"):
         rows = [s for s in summaries if f"{key}_vs_best_baseline_union_pct" in s]
         if not rows:
@@ -652,34 +1041,34 @@ def robustness(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "tpot_p50_pct_worst": max(s[f"{key}_vs_best_baseline_tpot_p50_pct"] for s in rows),
             "tpot_p99_pct_worst": max(s[f"{key}_vs_best_baseline_tpot_p99_pct"] for s in rows),
         }
-    met = [s.get("default_meets_target") for s in summaries]
-    out["default_meets_target_every_seed"] = bool(met) and all(m is True for m in met)
+        shares = [s[f"{key}_share_of_offline_bound"] for s in rows]
+        shares = (
+            [x for x in shares if x is not None]
+            if all(f"{key}_share_of_offline_bound" in s for s in rows)
+            else []
+        )
+        if shares:
+            out[key]["share_of_offline_bound_worst"] = min(shares)
     return out
 
 
 def _main_seeds(
-    traces: TraceSet, config: BenchConfig, seeds: Sequence[int], json_path: Path | None
+    traces: TraceSet,
+    config: BenchConfig,
+    seeds: Sequence[int],
+    json_path: Path | None,
+    progress: Progress,
 ) -> int:
     runs = []
     for seed in seeds:
-        result = run_bench(traces, replace(config, seed=seed))
+        result = run_bench(traces, replace(config, seed=seed), progress)
         runs.append(result)
         s = result["summary"]
-        print(
-            f"seed {seed}: rate {s.get('rate')} best baseline {s.get('best_baseline')}; "
-            f"default union {s.get('default_vs_best_baseline_union_pct')}% "
-            f"P50 {s.get('default_vs_best_baseline_tpot_p50_pct')}% "
-            f"P99 {s.get('default_vs_best_baseline_tpot_p99_pct')}% "
-            f"(meets: {s.get('default_meets_target')}); paper rule union "
-            f"{s.get('eldr_vs_best_baseline_union_pct')}% "
-            f"P50 {s.get('eldr_vs_best_baseline_tpot_p50_pct')}% "
-            f"P99 {s.get('eldr_vs_best_baseline_tpot_p99_pct')}%",
-            flush=True,
-        )
+        print(f"seed {seed}:", flush=True)
+        print("\n".join(format_summary(s)), flush=True)
     summary = robustness([r["summary"] for r in runs])
     print("worst case over seeds: " + json.dumps(summary))
     if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps({"robustness": summary, "runs": runs}, indent=2))
     return 0
 
@@ -689,6 +1078,9 @@ def _main(args: argparse.Namespace) -> int:
         from eldr.bench.online_bench import main_from_args
 
         return main_from_args(args)
+    for out in (args.json, args.plot):
+        if out is not None:  # fail now, not after the run
+            out.parent.mkdir(parents=True, exist_ok=True)
     traces = _load_input(args)
     targets = args.batch_targets or (QUICK_BATCH_TARGETS if args.quick else FULL_BATCH_TARGETS)
     config = BenchConfig(
@@ -709,13 +1101,17 @@ def _main(args: argparse.Namespace) -> int:
             else BenchConfig.policies
         ),
         variants=args.variants,
+        arrivals_apart=not args.with_replacement,
+        offline_bound=not args.no_offline_bound,
     )
-    if args.seeds:
-        return _main_seeds(traces, config, args.seeds, args.json)
-    result = run_bench(traces, config)
+    num_rates = len(config.rates) if config.rates else len(config.batch_targets)
+    steps = bench_steps(config, num_rates) * (len(args.seeds) if args.seeds else 1)
+    with terminal_progress(steps, "eldr bench", unit="run") as progress:
+        if args.seeds:
+            return _main_seeds(traces, config, args.seeds, args.json, progress)
+        result = run_bench(traces, config, progress)
     print(format_table(result))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))
     plot_path = args.plot or (args.json.with_suffix(".png") if args.json else None)
     if plot_path:
