@@ -3,6 +3,10 @@
 Each subcommand lives next to the code it drives and registers itself through a
 `register(subparsers)` function that adds an argparse parser and sets `func`; this module
 only collects them, so `eldr --help` lists everything the project can do.
+
+Bad input ends in one line on stderr naming the file and the problem, and exit status 1,
+never a traceback (`eldr.errors`; `--log-level DEBUG` shows the traceback); Ctrl-C ends a
+command with status 130.
 """
 
 from __future__ import annotations
@@ -12,6 +16,12 @@ import importlib
 import logging
 import sys
 from collections.abc import Sequence
+
+from eldr.errors import one_line
+
+# Long-running services and the local stack: only input errors become one line there; any
+# other exception is a crash whose traceback belongs in the log.
+LONG_RUNNING_COMMANDS = frozenset({"serve", "dev"})
 
 # Modules exposing `register(subparsers)`. Imported lazily by name so that a command's
 # heavy imports (matplotlib, nats, sqlalchemy) are paid only when it runs.
@@ -60,7 +70,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if func is None:
         parser.print_help()
         return 2
-    return int(func(args) or 0)
+    command = str(args.command)
+    try:
+        return int(func(args) or 0)
+    except KeyboardInterrupt:
+        print(f"eldr {command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        line = one_line(exc, any_value_error=command not in LONG_RUNNING_COMMANDS)
+        if line is None or logging.getLogger().isEnabledFor(logging.DEBUG):
+            raise
+        print(f"eldr {command}: {line}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

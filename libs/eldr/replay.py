@@ -75,6 +75,7 @@ from eldr.core.router import (
 )
 from eldr.eventlog import EventLog
 from eldr.partitions import partition_from_blob
+from eldr.progress import NO_PROGRESS, Progress
 from eldr.wire import Decision, DecodeProfile
 
 DEFAULT_TAU = 0.1
@@ -568,9 +569,16 @@ class _ActivityTrack:
 
 
 class Replayer:
-    def __init__(self, event_log: EventLog, config: ReplayConfig | None = None) -> None:
+    def __init__(
+        self,
+        event_log: EventLog,
+        config: ReplayConfig | None = None,
+        progress: Progress = NO_PROGRESS,
+    ) -> None:
+        """progress: one unit per decision reproduced and per decision replayed what-if."""
         self.log = event_log
         self.config = config or ReplayConfig()
+        self.progress = progress
         self.partitions = PartitionCache(event_log, self.config.index_method)
         self._rngs = DecisionRng()
         self._policies: dict[PolicyConfig, Policy | None] = {}
@@ -584,7 +592,9 @@ class Replayer:
         track = None
         if any(_flags(d.policy)[1] for d in decisions):
             track = _ActivityTrack(self._ends(decisions, default_s=None))
+        self.progress.describe("reproducing")
         for i, d in enumerate(decisions):
+            self.progress.advance()
             report.decisions += 1
             if needed_draw(d):
                 report.needed_draw += 1
@@ -690,7 +700,9 @@ class Replayer:
         changed_at: list[float] = []
         last_config: PolicyConfig | None = None
         track: _ActivityTrack | None = None
+        self.progress.describe("what-if")
         for i, d in enumerate(decisions):
+            self.progress.advance()
             t = d.ts_s
             active = [j for j in active if ends[j] > t]
             workers, in_flight, kv = recorded_fleet(d)
@@ -889,10 +901,17 @@ class Replayer:
         )
 
 
-def replay(event_log: EventLog, config: ReplayConfig | None = None) -> ReplayReport:
+def replay(
+    event_log: EventLog, config: ReplayConfig | None = None, progress: Progress = NO_PROGRESS
+) -> ReplayReport:
     """Reproduce every decision of `event_log`, and replay it under `config` when that
-    changes anything."""
-    return Replayer(event_log, config).run()
+    changes anything (`progress`: see `Replayer`)."""
+    return Replayer(event_log, config, progress).run()
+
+
+def replay_steps(event_log: EventLog, config: ReplayConfig) -> int:
+    """Units of work `replay` reports to its progress."""
+    return len(event_log.decisions) * (2 if config.counterfactual else 1)
 
 
 def _mean(values: Sequence[float]) -> float | None:

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from eldr.core.kmeans import KMeansResult, balanced_spherical_kmeans, spherical_kmeans
+from eldr.progress import NO_PROGRESS, Progress, terminal_progress
 
 __all__ = ["register", "run", "run_benchmark", "synthetic_signatures"]
 
@@ -106,16 +107,30 @@ def run_benchmark(
     reduce_dim: int | None = 128,
     unconstrained: bool = False,
     max_iter: int = 50,
+    progress: Progress = NO_PROGRESS,
 ) -> dict[str, Any]:
-    """Generate the synthetic input, fit, and return the measurements as a dict."""
+    """Generate the synthetic input, fit, and return the measurements as a dict.
+
+    progress: one unit for the data, then one per K-means iteration (`max_iter` per fit,
+    the rest at once when a fit converges early).
+    """
     t0 = time.perf_counter()
+    progress.describe("generating signatures")
     X = synthetic_signatures(n, dim, seed=seed)
     generate_s = time.perf_counter() - t0
+    progress.advance()
     log.info("generated synthetic signatures n=%d dim=%d in %.1f s", n, dim, generate_s)
 
+    def iteration(i: int) -> None:
+        progress.advance()
+
     t0 = time.perf_counter()
-    balanced = balanced_spherical_kmeans(X, k, seed=seed, max_iter=max_iter, reduce_dim=reduce_dim)
+    progress.describe("balanced fit")
+    balanced = balanced_spherical_kmeans(
+        X, k, seed=seed, max_iter=max_iter, reduce_dim=reduce_dim, on_iteration=iteration
+    )
     fit_s = time.perf_counter() - t0
+    progress.advance(max_iter - balanced.iterations)
     max_size, min_size = _size_stats(balanced)
     report: dict[str, Any] = {
         "input": "synthetic (topic mixture, Zipf topic and expert popularity); not real traces",
@@ -136,8 +151,12 @@ def run_benchmark(
     }
     if unconstrained:
         t0 = time.perf_counter()
-        free = spherical_kmeans(X, k, seed=seed, max_iter=max_iter, reduce_dim=reduce_dim)
+        progress.describe("unconstrained fit")
+        free = spherical_kmeans(
+            X, k, seed=seed, max_iter=max_iter, reduce_dim=reduce_dim, on_iteration=iteration
+        )
         report["unconstrained_fit_s"] = round(time.perf_counter() - t0, 3)
+        progress.advance(max_iter - free.iterations)
         free_max, free_min = _size_stats(free)
         report["unconstrained_max_size"] = free_max
         report["unconstrained_min_size"] = free_min
@@ -175,19 +194,23 @@ def _print_report(report: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    report = run_benchmark(
-        args.n,
-        args.dim,
-        args.k,
-        seed=args.seed,
-        reduce_dim=args.reduce_dim or None,
-        unconstrained=args.unconstrained,
-        max_iter=args.max_iter,
-    )
-    _print_report(report)
-    if args.json is not None:
-        path = Path(args.json)
+    path = Path(args.json) if args.json is not None else None
+    if path is not None:  # fail now, not after the fit
         path.parent.mkdir(parents=True, exist_ok=True)
+    steps = 1 + args.max_iter * (2 if args.unconstrained else 1)
+    with terminal_progress(steps, "eldr bench-kmeans", unit="step") as progress:
+        report = run_benchmark(
+            args.n,
+            args.dim,
+            args.k,
+            seed=args.seed,
+            reduce_dim=args.reduce_dim or None,
+            unconstrained=args.unconstrained,
+            max_iter=args.max_iter,
+            progress=progress,
+        )
+    _print_report(report)
+    if path is not None:
         path.write_text(json.dumps(report, indent=2) + "\n")
         log.info("wrote %s", path)
     return 0

@@ -40,6 +40,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eldr.errors import InputError
+
 __all__ = [
     "SHAPES",
     "FitReport",
@@ -255,21 +257,24 @@ def write_table(path: Path, table: dict[str, Any]) -> None:
 
 
 def read_table(path: Path) -> dict[str, Any]:
-    table = json.loads(Path(path).read_text(encoding="utf-8"))
+    try:
+        table = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path}: not valid JSON ({exc})") from None
     validate_table(table, str(path))
     return dict(table)
 
 
 def validate_table(table: Any, where: str) -> None:
     if not isinstance(table, dict) or table.get("schema") != TABLE_SCHEMA:
-        raise ValueError(f"{where}: not a moe-step table of schema {TABLE_SCHEMA}")
+        raise InputError(f"{where}: not a moe-step table of schema {TABLE_SCHEMA}")
     for key in ("provenance", "shapes", "rows"):
         if key not in table:
-            raise ValueError(f"{where}: missing {key!r}")
+            raise InputError(f"{where}: missing {key!r}")
     for i, row in enumerate(table["rows"]):
         missing = [f for f in ROW_FIELDS if f not in row]
         if missing:
-            raise ValueError(f"{where}: row {i} lacks {missing}")
+            raise InputError(f"{where}: row {i} lacks {missing}")
 
 
 # --- the fit --------------------------------------------------------------------------------

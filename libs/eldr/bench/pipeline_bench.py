@@ -48,6 +48,7 @@ from eldr.core.trace import TraceSet, counts_matrix
 from eldr.dev.replayer import ReplayConfig, TraceReplayer
 from eldr.dev.stack import SERVICES, Stack, StackConfig
 from eldr.partitions import blob_sha256, partition_to_blob
+from eldr.progress import NO_PROGRESS, Progress, terminal_progress
 from eldr.runtime import run_async
 from eldr.wire import Decision, PartitionAnnouncement, RouterControl, RouterControlReply
 
@@ -204,9 +205,37 @@ async def wait_routers_ready(bus: Bus, routers: int, decoders: int, timeout_s: f
         await asyncio.sleep(0.2)
 
 
+class _WallTicker:
+    """Counts wall seconds into a progress bar while a rate runs, `budget_s` at most."""
+
+    def __init__(self, progress: Progress, budget_s: float) -> None:
+        self.progress = progress
+        self.budget_s = budget_s
+        self.done_s = 0.0
+
+    async def run(self, every_s: float = 0.5) -> None:
+        started = time.monotonic()
+        while True:
+            await asyncio.sleep(every_s)
+            self._to(min(self.budget_s, time.monotonic() - started))
+
+    def finish(self) -> None:
+        self._to(self.budget_s)
+
+    def _to(self, at_s: float) -> None:
+        if at_s > self.done_s:
+            self.progress.advance(at_s - self.done_s)
+            self.done_s = at_s
+
+
 async def drive(
-    config: PipelineConfig, stack: Stack, sampler: RssSampler | None = None
+    config: PipelineConfig,
+    stack: Stack,
+    sampler: RssSampler | None = None,
+    progress: Progress = NO_PROGRESS,
 ) -> dict[str, Any]:
+    """Install a partition, wait for the routers, then replay each rate; `progress` gets
+    each rate's `duration_s` in seconds as it runs."""
     spec = SyntheticSpec(num_topics=8, num_moe_layers=24, num_experts=128, top_k=1)
     rng = np.random.default_rng(config.seed)
     calibration = generate(spec, 600, rng, id_prefix="cal")
@@ -222,6 +251,7 @@ async def drive(
         gc.collect()
         gc.freeze()
         for rate in config.rates:
+            progress.describe(f"{rate:g}/s")
             n = int(rate * config.duration_s)
             if sampler is not None:
                 sampler.window()  # start this rate's window
@@ -237,8 +267,14 @@ async def drive(
                     decision_timeout_s=5.0,
                 ),
             )
-            async with replay:
-                summary = await replay.run(n)
+            ticker = _WallTicker(progress, config.duration_s)
+            ticking = asyncio.create_task(ticker.run())
+            try:
+                async with replay:
+                    summary = await replay.run(n)
+            finally:
+                ticking.cancel()
+            ticker.finish()
             rss = sampler.window() if sampler is not None else {}
             latencies = np.array(
                 [r.decision_latency_s for r in replay.records if r.decision_latency_s is not None]
@@ -289,7 +325,7 @@ async def drive(
     }
 
 
-def run(config: PipelineConfig) -> dict[str, Any]:
+def run(config: PipelineConfig, progress: Progress = NO_PROGRESS) -> dict[str, Any]:
     services = tuple(s for s in SERVICES if s.name in ("signature", "simdecode", "router"))
     stack_config = StackConfig(
         namespace=config.namespace or f"bench{uuid.uuid4().hex[:8]}",
@@ -323,7 +359,7 @@ def run(config: PipelineConfig) -> dict[str, Any]:
 
         sampler = RssSampler(pids, config.rss_every_s).start()
         try:
-            return run_async(drive(config, stack, sampler))
+            return run_async(drive(config, stack, sampler, progress))
         finally:
             sampler.stop()
 
@@ -395,20 +431,23 @@ def register(subparsers: Any) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    result = run(
-        PipelineConfig(
-            rates=args.rates,
-            duration_s=args.duration,
-            routers=args.routers,
-            signatures=args.signatures,
-            decoders=args.decoders,
-            seed=args.seed,
-            rss_every_s=args.rss_every,
-            policy=args.policy,
-        )
+    if args.json:  # fail now, not after the run
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+    config = PipelineConfig(
+        rates=args.rates,
+        duration_s=args.duration,
+        routers=args.routers,
+        signatures=args.signatures,
+        decoders=args.decoders,
+        seed=args.seed,
+        rss_every_s=args.rss_every,
+        policy=args.policy,
     )
+    total_s = len(config.rates) * config.duration_s
+    with terminal_progress(total_s, "eldr bench-pipeline", unit="s") as progress:
+        progress.describe("starting the stack")
+        result = run(config, progress)
     print(format_table(result))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))
     return 0

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -102,6 +103,7 @@ def balanced_spherical_kmeans(
     capacity: int | None = None,
     reduce_dim: int | None = 128,
     tol: float = 1e-4,
+    on_iteration: Callable[[int], None] | None = None,
 ) -> KMeansResult:
     """Spherical K-means with every cluster holding at most `capacity` rows.
 
@@ -109,7 +111,8 @@ def balanced_spherical_kmeans(
     must be non-zero and finite). k: 1 <= k <= N. capacity: defaults to ceil(N / k); must
     satisfy k * capacity >= N. A cluster can end up empty only when
     (k - 1) * capacity >= N. reduce_dim: run the iterations in a projection to this many
-    dimensions when d is larger (None or 0: never). Deterministic for a given seed.
+    dimensions when d is larger (None or 0: never). on_iteration: called with the iteration
+    number after each iteration (progress reporting). Deterministic for a given seed.
     """
     n = _check_input(X, k)
     if capacity is None:
@@ -120,7 +123,14 @@ def balanced_spherical_kmeans(
             f"(need capacity >= {math.ceil(n / k)})"
         )
     return _fit(
-        X, k, seed=seed, max_iter=max_iter, capacity=capacity, reduce_dim=reduce_dim, tol=tol
+        X,
+        k,
+        seed=seed,
+        max_iter=max_iter,
+        capacity=capacity,
+        reduce_dim=reduce_dim,
+        tol=tol,
+        on_iteration=on_iteration,
     )
 
 
@@ -132,6 +142,7 @@ def spherical_kmeans(
     max_iter: int = 50,
     reduce_dim: int | None = 128,
     tol: float = 1e-4,
+    on_iteration: Callable[[int], None] | None = None,
 ) -> KMeansResult:
     """Unconstrained spherical K-means, the reference for what balance costs.
 
@@ -140,7 +151,16 @@ def spherical_kmeans(
     point farthest from its centroid.
     """
     _check_input(X, k)
-    return _fit(X, k, seed=seed, max_iter=max_iter, capacity=None, reduce_dim=reduce_dim, tol=tol)
+    return _fit(
+        X,
+        k,
+        seed=seed,
+        max_iter=max_iter,
+        capacity=None,
+        reduce_dim=reduce_dim,
+        tol=tol,
+        on_iteration=on_iteration,
+    )
 
 
 def capacitated_assignment(
@@ -640,6 +660,7 @@ def _fit(
     capacity: int | None,
     reduce_dim: int | None,
     tol: float,
+    on_iteration: Callable[[int], None] | None = None,
 ) -> KMeansResult:
     if max_iter < 1:
         raise ValueError(f"max_iter must be >= 1, got {max_iter}")
@@ -658,7 +679,7 @@ def _fit(
     labels = np.zeros(n, dtype=np.int64)
     converged = False
     iterations = 0
-    for iterations in range(1, max_iter + 1):  # noqa: B007 - the count is reported
+    for iterations in range(1, max_iter + 1):
         sims = Z @ centroids.T
         if capacity is None:
             labels = sims.argmax(axis=1)
@@ -678,6 +699,8 @@ def _fit(
                 new_centroids[empty] = centroids[empty]
         shift = float(np.max(1.0 - np.sum(new_centroids * centroids, axis=1)))
         centroids = new_centroids
+        if on_iteration is not None:
+            on_iteration(iterations)
         if shift < tol:
             converged = True
             break

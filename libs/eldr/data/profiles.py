@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from eldr.core.costmodel import CostProfile, GpuProfile, ModelProfile
+from eldr.errors import InputError
 
 DEFAULT_PROFILE_FOR_TRACES = "llama4-maverick-fp8-8xh200"
 """The profile matching the pbc-llama4-mmlu traces' own model (Llama-4-Maverick)."""
@@ -24,7 +25,7 @@ SPEC_PROFILES_FILE = "cost_profiles.toml"
 MEASURED_PROFILES_FILE = "measured_profiles.toml"
 
 
-class ProfileError(ValueError):
+class ProfileError(InputError):
     """A cost-profile file is malformed or names something it does not define."""
 
 

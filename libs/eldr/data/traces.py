@@ -26,13 +26,14 @@ from typing import Any
 import numpy as np
 
 from eldr.core.trace import EXPERT_ID_DTYPE, ModelGeometry, RequestTrace, TraceSet
+from eldr.errors import InputError
 
 log = logging.getLogger(__name__)
 
 _ID_MAX = int(np.iinfo(EXPERT_ID_DTYPE).max)
 
 
-class TraceFormatError(ValueError):
+class TraceFormatError(InputError):
     """A trace file or directory does not follow the format; the message names the file."""
 
 
