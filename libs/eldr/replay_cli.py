@@ -406,7 +406,8 @@ def _partition_arg(args: argparse.Namespace, event_log: EventLog) -> Partition |
 
 def _cmd_replay(args: argparse.Namespace) -> int:
     from eldr.data.profiles import DEFAULT_PROFILE_FOR_TRACES, ProfileError, load_catalog
-    from eldr.replay import ReplayConfig, replay
+    from eldr.progress import terminal_progress
+    from eldr.replay import ReplayConfig, replay, replay_steps
 
     if args.file is not None:
         loaded = _load_file("replay", args.file)
@@ -439,7 +440,9 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         )
     except (ProfileError, ValueError, OSError) as exc:
         return _fail("replay", str(exc))
-    report = replay(event_log, config)
+    steps = replay_steps(event_log, config)
+    with terminal_progress(steps, "eldr replay", unit="decision") as progress:
+        report = replay(event_log, config, progress)
     if args.json_out == "-":
         print(json.dumps(report.as_dict(), indent=2))
     else:
