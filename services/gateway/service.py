@@ -332,14 +332,16 @@ class Gateway:
                         raise UpstreamError(f"{name}: {exc}") from exc
                     log.warning("decode %s broke off %s mid-stream: %s", name, request_id, exc)
                     tokens = tally.output_tokens
-                except (_ClientGone, asyncio.CancelledError):
+                except (_ClientGone, asyncio.CancelledError) as gone:
                     # The client went away mid-stream: leaving `async with resp` closes
                     # the upstream connection, which makes vLLM abort the request.
                     if reason == "error":  # not after the upstream had finished
                         reason, tokens = "abort", tally.output_tokens
                     answered = True
                     self.metrics.client_aborts.inc()
-                    raise
+                    if isinstance(gone, asyncio.CancelledError):
+                        raise
+                    log.info("client of %s went away mid-stream", request_id)
                 return out
         finally:
             if answered:

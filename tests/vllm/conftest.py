@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from vllm_support import (
-    DECODE_ID,
+    DECODE_IDS,
     PREFILL_ID,
     Engines,
     small_retention,
@@ -62,7 +62,9 @@ def engines(
     nats_server: EmbeddedNats,
     vllm_namespace: str,
 ) -> Iterator[Engines]:
-    """A prefill and a decode vLLM server, started together, stopped at the session's end."""
+    """A prefill and two decode vLLM servers, started together, stopped at the session's
+    end. Every one runs the capture plugin: the prefill instance in the prefill role
+    (signatures), the decode instances in the decode role (decode profiles)."""
     log_dir = tmp_path_factory.mktemp("vllm-logs")
     dump_dir = tmp_path_factory.mktemp("capture-dump")
     storage_dir = tmp_path_factory.mktemp("kv-storage")
@@ -80,12 +82,39 @@ def engines(
         },
         [],
     )
-    # The decode instance runs eagerly: it starts faster, and its outputs must equal the
-    # compiled prefill instance's anyway (the test compares them).
-    decode = start_server(DECODE_ID, tiny_model, log_dir, storage_dir, {}, ["--enforce-eager"])
+    # The decode instances run eagerly: they start faster, and their outputs must equal the
+    # compiled prefill instance's anyway (the tests compare them). They report cached
+    # prompt tokens in their usage: the tests check the prompt's KV was loaded, not redone.
+    decoders = {
+        name: start_server(
+            name,
+            tiny_model,
+            log_dir,
+            storage_dir,
+            {
+                "ELDR_VLLM_CAPTURE": "1",
+                "ELDR_VLLM_ROLE": "decode",
+                "ELDR_NATS_URL": nats_server.url,
+                "ELDR_NAMESPACE": vllm_namespace,
+                "ELDR_VLLM_WORKER_ID": name,
+                "ELDR_VLLM_STATUS_INTERVAL_S": "1",
+            },
+            ["--enforce-eager", "--enable-prompt-tokens-details"],
+        )
+        for name in DECODE_IDS
+    }
     try:
-        wait_healthy([prefill, decode])
-        yield Engines(prefill, decode, dump_dir, vllm_namespace, nats_server.url)
+        wait_healthy([prefill, *decoders.values()])
+        yield Engines(
+            prefill,
+            decoders,
+            dump_dir,
+            vllm_namespace,
+            nats_server.url,
+            tiny_model,
+            storage_dir,
+        )
     finally:
         prefill.stop()
-        decode.stop()
+        for decode in decoders.values():
+            decode.stop()

@@ -41,6 +41,8 @@ BLOCK_SIZE = 32
 """vLLM's KV block size on CPU must be a multiple of 32; the plugin uses the same."""
 PREFILL_ID = "prefill-0"
 DECODE_ID = "decode-0"
+DECODE_IDS = ("decode-0", "decode-1")
+"""Two decode instances, each with the capture plugin in the decode role."""
 MODEL_NAME = "tiny-moe"
 
 
@@ -189,10 +191,17 @@ def small_retention() -> RetentionSettings:
 @dataclass
 class Engines:
     prefill: VllmServer
-    decode: VllmServer
+    decoders: dict[str, VllmServer]
     dump_dir: Path
     namespace: str
     nats_url: str
+    model_dir: Path
+    kv_dir: Path
+
+    @property
+    def decode(self) -> VllmServer:
+        """The first decode instance (tests that need one)."""
+        return self.decoders[DECODE_ID]
 
 
 def service_settings(engines: Engines, cls: type[Any], **kw: Any) -> Any:
@@ -274,3 +283,17 @@ async def prefill_events(engines: Engines, request_ids: set[str], timeout_s: flo
     finally:
         await bus.drain()
     return found
+
+
+async def purge_prefill_events(engines: Engines) -> None:
+    """Drop the PrefillDone events earlier tests left on the session's PREFILL stream (the
+    capture tests prefill prompts directly, with no router running and nobody waiting for a
+    decision): a router started now would otherwise route them to decode workers that never
+    get them. Test-only: nats directly, no ELDR API does this."""
+    import nats
+
+    nc = await nats.connect(engines.nats_url)
+    try:
+        await nc.jetstream().purge_stream(f"{engines.namespace.upper()}_PREFILL")
+    finally:
+        await nc.close()

@@ -161,6 +161,11 @@ class TransformersRouting:
     def expert_ids(self, token_ids: list[int]) -> np.ndarray:
         """int16 [tokens, moe_layers, top_k], each row sorted ascending (the order of a
         token's top-k is not part of routing)."""
+        return self.forward(token_ids)[0]
+
+    def forward(self, token_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(expert ids as `expert_ids` returns them, int64 [tokens]: the greedy next token
+        after each position)."""
         torch = self._torch
         captured: dict[int, Any] = {}
         hooks = []
@@ -172,12 +177,13 @@ class TransformersRouting:
             hooks.append(layer.mlp.gate.register_forward_hook(hook))
         try:
             with torch.no_grad():
-                self.model(torch.tensor([token_ids], dtype=torch.long))
+                out = self.model(torch.tensor([token_ids], dtype=torch.long))
         finally:
             for handle in hooks:
                 handle.remove()
         per_layer = [captured[i].reshape(len(token_ids), -1).numpy() for i in sorted(captured)]
-        return np.sort(np.stack(per_layer, axis=1), axis=2).astype(np.int16)
+        greedy = out.logits[0].argmax(dim=-1).numpy().astype(np.int64)
+        return np.sort(np.stack(per_layer, axis=1), axis=2).astype(np.int16), greedy
 
 
 def transformers_expert_ids(model_dir: Path, token_ids: list[int]) -> np.ndarray:
