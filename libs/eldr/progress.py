@@ -64,6 +64,10 @@ def terminal_progress(total: float | None, what: str, unit: str = "it") -> Itera
         disable=None,  # off unless stderr is a terminal
         leave=False,
         dynamic_ncols=True,
+        # Whole units even when they are counted in fractions (seconds of a run).
+        bar_format=None
+        if total is None
+        else "{l_bar}{bar}| {n:.0f}/{total:.0f} {unit} [{elapsed}<{remaining}{postfix}]",
     )
     try:
         yield _Bar(bar)
