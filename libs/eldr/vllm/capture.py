@@ -275,6 +275,29 @@ class StepResult:
         return self._done_messages
 
 
+def invalid_rows_reason(
+    expert_ids: np.ndarray, spans: Sequence[tuple[int, int]], geometry: Geometry
+) -> str | None:
+    """Why the captured rows `expert_ids[lo:hi]` of each span (the prompt rows of the
+    requests being captured) cannot be trusted, or None: every MoE layer wrote every row
+    (the step's rows start at -1), with expert ids in [0, E)."""
+    for lo, hi in spans:
+        if hi <= lo:
+            continue
+        rows = expert_ids[lo:hi]
+        unwritten = np.flatnonzero((rows < 0).any(axis=(0, 2)))
+        if unwritten.size:
+            return (
+                f"MoE layer(s) {unwritten.tolist()[:8]} (of {geometry.num_moe_layers}) wrote "
+                "no expert ids for a step's prompt tokens: a kernel path that bypasses the "
+                "router callback"
+            )
+        top = int(rows.max())
+        if top >= geometry.num_experts:
+            return f"expert id {top} outside [0, {geometry.num_experts})"
+    return None
+
+
 def unavailable_prefill_done(
     *,
     request_id: str,

@@ -69,6 +69,7 @@ from eldr.vllm.capture import (
     CaptureState,
     Geometry,
     RequestCapture,
+    invalid_rows_reason,
     unavailable_prefill_done,
 )
 from eldr.vllm.decode_profiles import DecodeProfiles
@@ -462,7 +463,17 @@ class CaptureHook:
             return
         positions = layout.positions()
         expert_ids = self.buffer[:total].cpu().numpy()
-        bad = self._bad_rows(prefill, layout.engine_ids, layout.num_tokens, expert_ids)
+        offsets = layout.offsets()
+        assert self.geometry is not None
+        bad = invalid_rows_reason(
+            expert_ids,
+            [
+                (int(offsets[i]), int(offsets[i + 1]))
+                for i, e in enumerate(layout.engine_ids)
+                if e in prefill.requests
+            ],
+            self.geometry,
+        )
         if bad is not None:
             self.states.steps_rejected += 1
             self.states.fail("prefill", bad)
@@ -481,34 +492,6 @@ class CaptureHook:
         if self.dump_dir is not None:
             for capture in result.completed:
                 _dump(self.dump_dir, capture)
-
-    def _bad_rows(
-        self,
-        prefill: CaptureState,
-        engine_ids: tuple[str, ...],
-        num_tokens: np.ndarray,
-        expert_ids: np.ndarray,
-    ) -> str | None:
-        """Why the captured rows of this step's prefill requests cannot be trusted, or
-        None: every MoE layer wrote every row, with ids in [0, E)."""
-        g = self.geometry
-        assert g is not None
-        offset = 0
-        for engine_id, n in zip(engine_ids, num_tokens, strict=True):
-            lo, offset = offset, offset + int(n)
-            if engine_id not in prefill.requests or n == 0:
-                continue
-            rows = expert_ids[lo:offset]
-            unwritten = np.flatnonzero((rows < 0).any(axis=(0, 2)))
-            if unwritten.size:
-                return (
-                    f"MoE layer(s) {unwritten.tolist()[:8]} (of {g.num_moe_layers}) wrote no "
-                    f"expert ids for a step's prompt tokens: a kernel path that bypasses the "
-                    f"router callback"
-                )
-            if int(rows.max()) >= g.num_experts:
-                return f"expert id {int(rows.max())} outside [0, {g.num_experts})"
-        return None
 
     def _publish_profiles(self) -> None:
         assert self.decode is not None
