@@ -35,6 +35,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "eldr.dev.cli",
     "eldr.trainer_cli",
     "eldr.dev.demo",
+    "eldr.dev.soak",
     "eldr.partitions_cli",
     "eldr.deploy_cli",
     "eldr.replay_cli",

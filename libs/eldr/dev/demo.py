@@ -224,7 +224,8 @@ async def drive(config: DemoConfig, settings: BusSettings, traces: TraceSet) -> 
         )
         async with replay:
             calibration = await replay.run(config.calibration_requests)
-        await wait_idle(bus, config.decoders, timeout_s=120)
+            await wait_idle(bus, config.decoders, timeout_s=120)
+            await replay.wait_decoded(timeout_s=30)
         log.info("refit")
         reply = await bus.request(
             bus.subjects.trainer_refit,
@@ -247,7 +248,8 @@ async def drive(config: DemoConfig, settings: BusSettings, traces: TraceSet) -> 
             )
             async with replay:
                 summary = await replay.run(config.evaluation_requests)
-            await wait_idle(bus, config.decoders, timeout_s=120)
+                await wait_idle(bus, config.decoders, timeout_s=120)
+                await replay.wait_decoded(timeout_s=30)
             measured = summarize_workers(await worker_stats(bus, config.decoders))
             results.append(_policy_result(policy, summary, measured))
         # The record of truth: one message per decided request id in DECISIONS (the

@@ -215,6 +215,7 @@ class TraceReplayer:
         """Where simulated decode workers say a job's decode ended (`DecodeJobDone`)."""
         self._decoding: dict[str, tuple[str, float]] = {}
         """request id -> (worker, monotonic time its job was sent), until it is done."""
+        self._all_decoded = asyncio.Event()
         self.finished_published = 0
         self.records: list[RequestRecord] = []
         """The last run's per-request records."""
@@ -248,6 +249,21 @@ class TraceReplayer:
             self._done_subscription = await self.bus.subscribe(
                 self.done_inbox, DecodeJobDone, self._on_job_done
             )
+
+    async def wait_decoded(self, timeout_s: float) -> int:
+        """Wait (up to `timeout_s`) until every job sent has said its decode ended, so its
+        finish event is published before the replayer closes; returns how many did not."""
+        if self._decoding:
+            self._all_decoded.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._all_decoded.wait(), timeout_s)
+        return len(self._decoding)
+
+    def _forget(self, request_id: str) -> tuple[str, float] | None:
+        sent = self._decoding.pop(request_id, None)
+        if not self._decoding:
+            self._all_decoded.set()
+        return sent
 
     async def close(self) -> None:
         for sub in (self._subscription, self._done_subscription):
@@ -413,11 +429,11 @@ class TraceReplayer:
         except (BusError, WireError) as exc:
             record.error = f"{type(exc).__name__}: {exc}"
             log.warning("replay %s: %s", record.request_id, record.error)
-            self._decoding.pop(record.request_id, None)
+            self._forget(record.request_id)
             await self._finished(record.request_id, record.worker_id, "error")
 
     async def _on_job_done(self, done: DecodeJobDone, _: Delivery) -> None:
-        sent = self._decoding.pop(done.request_id, None)
+        sent = self._forget(done.request_id)
         if sent is None:
             return  # not ours, or reported twice
         worker, sent_s = sent
@@ -600,7 +616,7 @@ class TraceReplayer:
         if self.config.publish_finished:
             self._decoding[record.request_id] = (decision.worker_id, time.monotonic())
             while len(self._decoding) > MAX_DECODING_TRACKED:
-                self._decoding.pop(next(iter(self._decoding)))
+                self._forget(next(iter(self._decoding)))
         subject = self.bus.subjects.sim_decode(decision.worker_id)
         for attempt in (1, 2):
             try:
@@ -614,7 +630,7 @@ class TraceReplayer:
                 continue
             if not ack.accepted:
                 record.error = f"job refused by {decision.worker_id}: {ack.reason}"
-                self._decoding.pop(record.request_id, None)
+                self._forget(record.request_id)
             return ack.accepted
         return False  # not reached: the second failure raises
 
