@@ -5,9 +5,10 @@ or the newest N) and then what a replay needs around it:
 
 - LOAD: the load reports stored from `load_margin_s` before the first decision to the last
   one (LOAD keeps only minutes: older windows come without them, and the log says so);
-- PROFILES: the decode profiles of the window's requests, stored from `load_margin_s`
-  before the first decision (an import stores events nearly at once, in any order) up to
-  `profile_lag_s` after the last (decoding finishes after routing);
+- PROFILES and FINISHED: the decode profiles and the gateways' finish events of the
+  window's requests, stored from `load_margin_s` before the first decision (an import
+  stores events nearly at once, in any order) up to `profile_lag_s` after the last
+  (decoding finishes after routing);
 - PARTITIONS: every announcement the stream keeps, and from bucket `{ns}-partitions` the
   blobs of the versions the decisions used, the versions announced during the window and
   the one in force when it began.
@@ -43,7 +44,7 @@ from eldr.bus import (
     build_topology,
     stream_name,
 )
-from eldr.bus.topology import DECISIONS, LOAD, PARTITIONS, PROFILES
+from eldr.bus.topology import DECISIONS, FINISHED, LOAD, PARTITIONS, PROFILES
 from eldr.eventlog import MESSAGE_TYPES, STREAMS, Event, EventLog, EventMessage, Selection
 from eldr.settings import RetentionSettings
 from eldr.wire import (
@@ -53,6 +54,7 @@ from eldr.wire import (
     Message,
     PartitionAnnouncement,
     PartitionBlob,
+    RequestFinished,
     WireError,
 )
 
@@ -140,7 +142,10 @@ async def _read_stream(
     async def on(message: Message, delivery: Delivery) -> None:
         if finished.is_set():
             return
-        assert isinstance(message, Decision | LoadReport | DecodeProfile | PartitionAnnouncement)
+        assert isinstance(
+            message,
+            Decision | LoadReport | DecodeProfile | PartitionAnnouncement | RequestFinished,
+        )
         if stop(message, delivery):
             finished.set()
             return
@@ -312,6 +317,26 @@ async def read_events(
             undecodable=skipped,
             timeout_s=timeout_s,
         )
+        ended: set[str] = set()
+
+        def ours_finished(m: EventMessage, _d: Delivery) -> bool:
+            if isinstance(m, RequestFinished) and m.request_id in wanted:
+                if m.reason != "moved":
+                    ended.add(m.request_id)
+                return True
+            return False
+
+        events += await _read_stream(
+            bus,
+            FINISHED,
+            bus.subjects.finished_all,
+            start_time_s=t0 - load_margin_s,
+            stop=past_horizon,
+            keep=ours_finished,
+            done=lambda: len(ended) == len(wanted),
+            undecodable=skipped,
+            timeout_s=timeout_s,
+        )
     notes += skipped.lines()
     event_log = EventLog(
         namespace=ns,
@@ -461,6 +486,12 @@ async def import_events(
             elif isinstance(m, DecodeProfile):
                 ack = await bus.js_publish(
                     subjects.profiles(m.worker_id), m, msg_id=f"profile-{m.request_id}"
+                )
+            elif isinstance(m, RequestFinished):
+                ack = await bus.js_publish(
+                    subjects.finished(m.gateway_id),
+                    m,
+                    msg_id=f"finished-{m.request_id}-{m.reason}-{m.moved_to or ''}",
                 )
             else:
                 ack = await bus.js_publish(

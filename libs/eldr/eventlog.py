@@ -4,12 +4,14 @@ An event log is everything a replay needs to rebuild a router's inputs at any mo
 window of traffic: the routers' `Decision`s (each carries the loads it saw, its signature,
 its partition version and the seed of its draws), the decode workers' `LoadReport`s, the
 trainer's `PartitionAnnouncement`s with the `PartitionBlob`s they name, and the workers'
-`DecodeProfile`s. It does not care where the events came from: JetStream
+`DecodeProfile`s and the gateways' `RequestFinished` events (when each request ended). It
+does not care where the events came from: JetStream
 (`eldr.event_source.read_events`) or a file (`read_event_file`). Events are ordered by their
 own timestamps (the producer's clock: `ts_s`, or `created_ts_s` for announcements), which
 survive an export and an import, unlike the time JetStream stored them.
 
-File format, version 1 (`write_event_file` / `read_event_file`): the 8-byte magic
+File format, version 2 (`write_event_file` / `read_event_file`; version 1 files, which
+have no FINISHED records, still read): the 8-byte magic
 `ELDRLOG\\n`, then records. Each record is a little-endian uint32 payload length, the
 CRC-32 of the payload (uint32 LE), and the payload: one MessagePack map tagged by its
 `record` field. Record 0 is the `FileHeader` (format version, namespace, selection, counts,
@@ -39,7 +41,7 @@ from typing import IO, Annotated, cast
 import msgspec
 
 from eldr import __version__
-from eldr.bus.topology import DECISIONS, LOAD, PARTITIONS, PROFILES
+from eldr.bus.topology import DECISIONS, FINISHED, LOAD, PARTITIONS, PROFILES
 from eldr.wire import (
     Decision,
     DecodeProfile,
@@ -47,14 +49,15 @@ from eldr.wire import (
     Message,
     PartitionAnnouncement,
     PartitionBlob,
+    RequestFinished,
     WireError,
     decode,
     encode,
 )
 
-EventMessage = Decision | LoadReport | DecodeProfile | PartitionAnnouncement
+EventMessage = Decision | LoadReport | DecodeProfile | PartitionAnnouncement | RequestFinished
 
-STREAMS: tuple[str, ...] = (PARTITIONS, LOAD, DECISIONS, PROFILES)
+STREAMS: tuple[str, ...] = (PARTITIONS, LOAD, DECISIONS, PROFILES, FINISHED)
 """Streams an event log reads, in the order events of equal timestamps are sorted: a
 partition or load change at the same instant as a decision is taken to precede it."""
 
@@ -63,6 +66,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     LOAD: LoadReport,
     DECISIONS: Decision,
     PROFILES: DecodeProfile,
+    FINISHED: RequestFinished,
 }
 """The message type each stream records."""
 
@@ -71,10 +75,11 @@ KIND_NAMES = {
     LOAD: "load_reports",
     DECISIONS: "decisions",
     PROFILES: "decode_profiles",
+    FINISHED: "finish_events",
 }
 
 MAGIC = b"ELDRLOG\n"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAX_RECORD_BYTES = 1 << 30
 """Largest record a reader accepts (a partition blob with many sub-centroids is the
 largest thing a record holds)."""
@@ -145,7 +150,7 @@ class Event:
     ts_s: float
     """The message's own timestamp (`event_time`)."""
     stream: str
-    """Stream suffix: DECISIONS, LOAD, PROFILES or PARTITIONS."""
+    """Stream suffix: DECISIONS, LOAD, PROFILES, FINISHED or PARTITIONS."""
     seq: int
     """Sequence in the stream it was read from (0 when unknown)."""
     stored_ts_s: float | None
@@ -196,9 +201,12 @@ class EventLog:
         for d in self._decisions:
             self._by_request.setdefault(d.request_id, d)  # first write wins, as on the bus
         self._profiles: dict[str, DecodeProfile] = {}
+        self._finishes: dict[str, RequestFinished] = {}
         for e in self.events:
             if isinstance(e.message, DecodeProfile):
                 self._profiles[e.message.request_id] = e.message
+            elif isinstance(e.message, RequestFinished) and e.message.reason != "moved":
+                self._finishes.setdefault(e.message.request_id, e.message)
         self._announcements = [
             e.message for e in self.events if isinstance(e.message, PartitionAnnouncement)
         ]
@@ -218,6 +226,11 @@ class EventLog:
     def profiles(self) -> dict[str, DecodeProfile]:
         """Decode profiles by request id."""
         return self._profiles
+
+    @property
+    def finishes(self) -> dict[str, RequestFinished]:
+        """Each request's final finish event (not "moved") by request id."""
+        return self._finishes
 
     @property
     def announcements(self) -> list[PartitionAnnouncement]:
@@ -568,7 +581,10 @@ def _decode_event(record: EventRecord, path: str, index: int, offset: int) -> Ev
         raise EventFileError(
             path, f"{record.stream} seq {record.seq}: {exc}", index, offset
         ) from exc
-    assert isinstance(message, Decision | LoadReport | DecodeProfile | PartitionAnnouncement)
+    assert isinstance(
+        message,
+        Decision | LoadReport | DecodeProfile | PartitionAnnouncement | RequestFinished,
+    )
     return Event.of(
         message,
         stream=record.stream,

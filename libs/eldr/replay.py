@@ -540,6 +540,20 @@ def _profile_end(d: Decision, profile: DecodeProfile | None) -> float | None:
     return profile.ts_s
 
 
+def request_end(d: Decision, log: EventLog) -> float | None:
+    """When the request stopped loading its worker: the earlier of its decode profile and
+    its final finish event (whichever was recorded, after its decision), else None."""
+    ends = [
+        t
+        for t in (
+            _profile_end(d, log.profiles.get(d.request_id)),
+            getattr(log.finishes.get(d.request_id), "ts_s", None),
+        )
+        if t is not None and t > d.ts_s
+    ]
+    return min(ends) if ends else None
+
+
 class _ActivityTrack:
     """An activity table rebuilt from decisions: a request enters at its decision and
     leaves at its end (decode profile), or after ACTIVITY_TTL_S like in the router."""
@@ -656,12 +670,11 @@ class Replayer:
         return self._policies[config]
 
     def _ends(self, decisions: Sequence[Decision], default_s: float | None) -> list[float | None]:
-        """When each request stopped loading its worker: its decode profile's time, else
-        `default_s` after its decision (None: unknown)."""
-        profiles = self.log.profiles
+        """When each request stopped loading its worker (`request_end`: its decode profile or
+        finish event), else `default_s` after its decision (None: unknown)."""
         out: list[float | None] = []
         for d in decisions:
-            end = _profile_end(d, profiles.get(d.request_id))
+            end = request_end(d, self.log)
             if end is None and default_s is not None:
                 end = d.ts_s + default_s
             out.append(end)
@@ -673,7 +686,7 @@ class Replayer:
         spans = [
             end - d.ts_s
             for d in self.log.decisions
-            if (end := _profile_end(d, self.log.profiles.get(d.request_id))) is not None
+            if (end := request_end(d, self.log)) is not None
         ]
         return float(np.median(spans)) if spans else DEFAULT_DURATION_S
 
@@ -682,10 +695,7 @@ class Replayer:
         decisions = self.log.decisions
         profiles = self.log.profiles
         default_duration_s = self._durations()
-        ends = [
-            _profile_end(d, profiles.get(d.request_id)) or d.ts_s + default_duration_s
-            for d in decisions
-        ]
+        ends = [request_end(d, self.log) or d.ts_s + default_duration_s for d in decisions]
         active: list[int] = []  # decisions whose worker changed and that are in flight
         policies: dict[tuple[str, PolicyConfig], Policy] = {}
         after: list[str] = []

@@ -33,6 +33,7 @@ from eldr.wire import (
     DecodeProfile,
     LoadReport,
     PartitionAnnouncement,
+    RequestFinished,
     SparseCounts,
 )
 
@@ -115,6 +116,20 @@ def sample_log(n: int = 5) -> EventLog:
                 seq=i + 1,
             )
         )
+        events.append(
+            Event.of(
+                RequestFinished(
+                    request_id=f"r{i}",
+                    gateway_id="gw",
+                    ts_s=T0 + i + 2.5,
+                    reason="length",
+                    worker_id="a",
+                    output_tokens=6,
+                ),
+                stream="FINISHED",
+                seq=i + 1,
+            )
+        )
     return EventLog("ns", events, {"v3": blob}, Selection(last=5), notes=["a note"])
 
 
@@ -132,6 +147,16 @@ def test_a_log_survives_the_file(tmp_path: Path, name: str) -> None:
     assert (back.namespace, back.selection, back.notes) == ("ns", Selection(last=5), ["a note"])
     assert back.partition_blob(3) == log.blobs["v3"]
     assert back.counts() == log.counts()
+
+
+def test_finish_events_are_kept_per_request_moves_left_out() -> None:
+    log = sample_log(2)
+    moved = RequestFinished(
+        request_id="r0", gateway_id="gw", ts_s=T0, reason="moved", worker_id="b", moved_to="a"
+    )
+    log = EventLog("ns", [*log.events, Event.of(moved, stream="FINISHED", seq=9)], log.blobs)
+    assert {rid: f.reason for rid, f in log.finishes.items()} == {"r0": "length", "r1": "length"}
+    assert log.counts()["finish_events"] == 3
 
 
 def test_events_are_ordered_by_their_own_time() -> None:

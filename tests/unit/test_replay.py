@@ -26,11 +26,18 @@ from eldr.replay import (
     model_decode_effect,
     replay,
     reproduce_decision,
+    request_end,
 )
 from eldr.replay import (
     _batch_union as batch_union,
 )
-from eldr.wire import Decision, DecodeProfile, PartitionAnnouncement, SparseCounts
+from eldr.wire import (
+    Decision,
+    DecodeProfile,
+    PartitionAnnouncement,
+    RequestFinished,
+    SparseCounts,
+)
 
 L, E = 2, 8
 T0 = 1_700_000_000.0
@@ -151,6 +158,46 @@ def test_cost_aware_decisions_replay_on_a_rebuilt_activity_table() -> None:
     # every request is still in flight, so the rebuilt table is the router's exactly
     assert (report.approximate, report.approximate_mismatched) == (24, 0)
     assert (report.checked, report.mismatched) == (0, 0)
+
+
+def test_finished_requests_leave_the_rebuilt_activity_table_as_they_left_the_routers() -> None:
+    # The router saw each request end through the gateway's finish event (no decode
+    # profiles: decode instances without the capture plugin); the replay must too, or its
+    # rebuilt table keeps every request and disagrees with what the router decided on.
+    core = router({"d0": 0, "d1": 0, "d2": 0, "d3": 0}, "eldr_cost")
+    decisions, finishes = [], []
+    for i in range(24):
+        x = counts(i % 4, i % 3, i)
+        d = record(core, RouteRequest(f"r{i}", "m", 10, x), T0 + i)
+        core.table.on_assignment(d.worker_id, d.request_id, 10, 0.0)
+        core.note_assignment(d.worker_id, d.request_id, x, 10, T0 + i)
+        decisions.append(d)
+        if i >= 2:  # each request ends 2.5 s after it was decided
+            rid = f"r{i - 2}"
+            core.note_finished(rid)
+            finishes.append(
+                RequestFinished(
+                    request_id=rid,
+                    gateway_id="gw",
+                    ts_s=T0 + i + 0.5,
+                    reason="stop",
+                    worker_id=decisions[i - 2].worker_id,
+                )
+            )
+    log = log_of(decisions)
+    events = [
+        *log.events,
+        *(Event.of(f, stream="FINISHED", seq=n + 1) for n, f in enumerate(finishes)),
+    ]
+    log = EventLog("t", events, log.blobs)
+    assert request_end(decisions[0], log) == T0 + 2.5
+    assert request_end(decisions[-1], log) is None
+    report = Replayer(log).reproduce()
+    assert (report.approximate, report.approximate_mismatched) == (24, 0)
+    # Without the finish events the rebuilt table keeps every request: it no longer
+    # matches what the router saw, and some decisions come out differently.
+    unfinished = Replayer(log_of(decisions)).reproduce()
+    assert unfinished.approximate_mismatched > 0
 
 
 def test_a_what_if_can_switch_to_a_cost_aware_policy() -> None:
