@@ -231,7 +231,7 @@ class RouterService:
 
     async def on_profile(self, msg: DecodeProfile, _: Delivery) -> None:
         # A finished request: its experts no longer weigh on its worker's steps.
-        tracked = self.core.note_finished(msg.request_id)
+        tracked = self.core.note_finished(msg.request_id, time.monotonic())
         self.metrics.finished.labels("profile", "tracked" if tracked else "untracked").inc()
 
     async def on_finished(self, msg: RequestFinished, delivery: Delivery) -> None:
@@ -251,7 +251,7 @@ class RouterService:
             assert msg.moved_to is not None  # the schema requires it
             tracked = self.core.note_moved(msg.request_id, msg.moved_to, time.monotonic())
         else:
-            tracked = self.core.note_finished(msg.request_id)
+            tracked = self.core.note_finished(msg.request_id, time.monotonic())
         self.metrics.finished.labels(msg.reason, "tracked" if tracked else "untracked").inc()
 
     def _bound_activity(self, worker_id: str) -> None:

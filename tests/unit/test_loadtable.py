@@ -107,12 +107,12 @@ def test_a_finish_retires_a_pending_assignment_and_outlives_a_late_decision() ->
     t.on_report(report("a", 1, running=2), now_s=0.0)
     t.on_assignment("a", "r1", kv_tokens=50, now_s=0.1)
     assert t.in_flight("a") == 3
-    assert t.on_finished("r1")
+    assert t.on_finished("r1", 0.2)
     assert t.in_flight("a") == 2
     assert t.was_finished("r1")
     t.on_assignment("a", "r1", kv_tokens=50, now_s=0.2)  # another replica's, seen late
     assert t.in_flight("a") == 2
-    assert not t.on_finished("never-assigned")
+    assert not t.on_finished("never-assigned", 0.2)
     assert t.in_flight("nobody") is None
 
 
@@ -128,7 +128,7 @@ def test_a_moved_request_is_pending_on_its_new_worker_with_its_kv() -> None:
     # The first worker's report admitting it later must not resurrect anything.
     t.on_report(report("a", 2, admitted=("r1",)), now_s=0.3)
     assert t.loads(["a", "b"])[0].tolist() == [0, 1]
-    assert t.on_finished("r1")
+    assert t.on_finished("r1", 0.2)
     assert t.loads(["a", "b"])[0].tolist() == [0, 0]
 
 
@@ -137,4 +137,15 @@ def test_a_restarted_worker_forgets_what_was_pending_on_its_old_process() -> Non
     t.on_report(report("a", 1), now_s=0.0)
     t.on_assignment("a", "r1", kv_tokens=5, now_s=0.1)
     t.on_report(report("a", 1, inc="i2"), now_s=0.2)
-    assert not t.on_finished("r1")  # not pending any more: nothing to retire
+    assert not t.on_finished("r1", 0.2)  # not pending any more: nothing to retire
+
+
+def test_finished_ids_are_remembered_for_the_pending_ttl_only() -> None:
+    t = LoadTable(pending_ttl_s=10.0)
+    t.on_report(report("a", 1), now_s=0.0)
+    t.on_finished("r1", now_s=1.0)
+    t.expire(now_s=10.5)
+    assert t.was_finished("r1")
+    t.on_report(report("a", 2), now_s=11.0)
+    t.expire(now_s=11.5)
+    assert not t.was_finished("r1")

@@ -174,7 +174,7 @@ def test_finished_requests_leave_the_rebuilt_activity_table_as_they_left_the_rou
         decisions.append(d)
         if i >= 2:  # each request ends 2.5 s after it was decided
             rid = f"r{i - 2}"
-            core.note_finished(rid)
+            core.note_finished(rid, 0.0)
             finishes.append(
                 RequestFinished(
                     request_id=rid,

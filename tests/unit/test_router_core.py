@@ -178,12 +178,12 @@ def test_a_finished_request_leaves_both_tables_and_a_late_decision_is_ignored() 
     rc.note_assignment("a", "r", demand_counts(1), 4, now_s=0.0)
     assert t.in_flight("a") == 1
     assert "r" in rc.activity
-    assert rc.note_finished("r")
+    assert rc.note_finished("r", 0.0)
     assert t.in_flight("a") == 0
     assert "r" not in rc.activity
     rc.note_assignment("a", "r", demand_counts(1), 4, now_s=0.1)  # echo from another replica
     assert "r" not in rc.activity
-    assert not rc.note_finished("r")
+    assert not rc.note_finished("r", 0.0)
 
 
 def test_a_moved_request_leaves_its_first_worker_at_once() -> None:

@@ -93,7 +93,7 @@ def test_finished_requests_stop_weighing_on_their_worker() -> None:
         core.note_assignment("a", f"x{i}", counts_for(1), 3, now_s=0.0)
     assert core.activity.requests_on("a") == 3
     for i in range(3):
-        core.note_finished(f"x{i}")
+        core.note_finished(f"x{i}", 0.0)
     assert core.activity.requests_on("a") == 0
     assert len(core.activity) == 0
 

@@ -34,8 +34,9 @@ RECENT_ADMITTED_MAX = 4096
 """Per worker, how many recently admitted request ids are remembered, so that an assignment
 seen after the report that already admitted it is not counted twice."""
 RECENT_FINISHED_MAX = 65_536
-"""How many finished request ids the table remembers (a decision for one of them arriving
-later is ignored)."""
+"""At most this many finished request ids are remembered (a decision for one of them
+arriving later is ignored); each for `pending_ttl_s` only (a decision echo comes within
+milliseconds), so the memory is about the finish rate x `pending_ttl_s`."""
 
 
 @dataclass
@@ -96,7 +97,8 @@ class LoadTable:
         self._workers: dict[str, WorkerState] = {}
         self._pending_on: dict[str, str] = {}
         """request id -> the worker it is pending on."""
-        self._finished: OrderedDict[str, None] = OrderedDict()
+        self._finished: OrderedDict[str, float] = OrderedDict()
+        """finished request id -> when its finish event came (monotonic s)."""
 
     def __len__(self) -> int:
         return len(self._workers)
@@ -168,10 +170,10 @@ class LoadTable:
         """Whether a finish event for the request was seen (recently)."""
         return request_id in self._finished
 
-    def on_finished(self, request_id: str) -> bool:
+    def on_finished(self, request_id: str, now_s: float) -> bool:
         """The request left its decode worker (a finish event): it stops counting as
         pending and later assignments of it are ignored. True if it was pending."""
-        self._finished[request_id] = None
+        self._finished[request_id] = now_s
         self._finished.move_to_end(request_id)
         while len(self._finished) > RECENT_FINISHED_MAX:
             self._finished.popitem(last=False)
@@ -206,6 +208,8 @@ class LoadTable:
         for wid in removed:
             self.remove(wid)
         cutoff = now_s - self.pending_ttl_s
+        while self._finished and next(iter(self._finished.values())) < cutoff:
+            self._finished.popitem(last=False)
         for s in self._workers.values():
             if s.pending:
                 # insertion order is assignment order: expired entries are a prefix

@@ -354,10 +354,10 @@ class RouterCore:
             self.activity.add(worker_id, request_id, demand, now_s)
             self.bound_activity(worker_id)
 
-    def note_finished(self, request_id: str) -> bool:
+    def note_finished(self, request_id: str, now_s: float) -> bool:
         """A request left its decode worker (finish event or decode profile): it no
         longer loads that worker's steps or queue. True if it was tracked anywhere."""
-        pending = self.table.on_finished(request_id)
+        pending = self.table.on_finished(request_id, now_s)
         active = self.activity.finish(request_id)
         self._decided_demands.pop(request_id, None)
         return pending or active
