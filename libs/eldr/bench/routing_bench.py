@@ -802,7 +802,9 @@ def format_summary(summary: dict[str, Any]) -> list[str]:
             else:
                 why = (
                     f"pool of {arr['pool_requests']} distinct requests for "
-                    f"~{arr['expected_in_flight']:.0f} in flight"
+                    f"~{arr['expected_in_flight']:.0f} in flight, "
+                    f"{100 * arr['forced_share']:.2g}% of arrivals drawn while every request "
+                    "of the pool was held"
                     if arr["method"] == "apart"
                     else f"drawn with replacement from {arr['pool_requests']} requests"
                 )
