@@ -42,7 +42,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from eldr.bus import BusError, Delivery, build_topology
-from eldr.bus.topology import DECISIONS
+from eldr.bus.topology import DECISIONS, IDENTITY
 from eldr.runtime import ServiceContext, service_main
 from eldr.vllm.capture import Geometry
 from eldr.vllm.gateway import (
@@ -157,8 +157,9 @@ class GatewayMetrics:
         )
         self.capture_status = Counter(
             "eldr_gateway_capture_status_total",
-            "Capture statuses received (ok; other_instance: not one of ours; mismatch: the "
-            "worker id is not the subject's).",
+            "Capture statuses received (ok; other_instance: not one of ours). One whose "
+            "worker id is not its subject's token is refused by the bus "
+            '(eldr_bus_messages_rejected_total{family="capture",reason="identity_mismatch"}).',
             ["outcome"],
             registry=r,
         )
@@ -523,10 +524,8 @@ class Gateway:
             detail,
         )
 
-    async def on_capture_status(self, status: CaptureStatus, delivery: Delivery) -> None:
-        if delivery.subject != self.ctx.bus.subjects.capture(status.worker_id):
-            self.metrics.capture_status.labels("mismatch").inc()
-            return
+    async def on_capture_status(self, status: CaptureStatus, _: Delivery) -> None:
+        # Its worker id is the subject's token: the bus refuses any other (IDENTITY).
         taken = self.capture.update(status, time.monotonic())
         self.metrics.capture_status.labels("ok" if taken else "other_instance").inc()
         if taken:
@@ -681,7 +680,10 @@ async def setup(ctx: ServiceContext[GatewaySettings]) -> None:
     await ctx.bus.subscribe(gateway.inbox, Decision, gateway.on_decision)
     if not gateway.response_sources:
         await ctx.bus.subscribe(
-            ctx.bus.subjects.capture_all, CaptureStatus, gateway.on_capture_status
+            ctx.bus.subjects.capture_all,
+            CaptureStatus,
+            gateway.on_capture_status,
+            identity=IDENTITY[CaptureStatus],
         )
     await gateway.probe_once()
     probe = asyncio.create_task(gateway.probe_loop(), name="upstream-probe")

@@ -32,7 +32,7 @@ from eldr.bus import (
     build_topology,
     is_reply_inbox,
 )
-from eldr.bus.topology import DECISIONS, PARTITIONS, PREFILL
+from eldr.bus.topology import DECISIONS, IDENTITY, PARTITIONS, PREFILL
 from eldr.core.loadtable import LoadTable, Report
 from eldr.core.policies import PolicySpec
 from eldr.core.router import FALLBACK_REASONS, NoLiveWorkersError, RouterCore, RouteRequest
@@ -234,19 +234,10 @@ class RouterService:
         tracked = self.core.note_finished(msg.request_id, time.monotonic())
         self.metrics.finished.labels("profile", "tracked" if tracked else "untracked").inc()
 
-    async def on_finished(self, msg: RequestFinished, delivery: Delivery) -> None:
+    async def on_finished(self, msg: RequestFinished, _: Delivery) -> None:
         """A gateway saw the request leave its decode worker (any reason), or move to
-        another worker before it started there."""
-        if delivery.subject != self.subjects.finished(msg.gateway_id):
-            # Identity from the transport: a gateway may speak only for itself.
-            self.metrics.rejected_inputs.labels("finished_gateway_mismatch").inc()
-            log.warning(
-                "finish event for %s names gateway %s but came on %s: ignored",
-                msg.request_id,
-                msg.gateway_id,
-                delivery.subject,
-            )
-            return
+        another worker before it started there. (Its gateway id is the subject's token:
+        the bus refuses any other, `IDENTITY`.)"""
         if msg.reason == "moved":
             assert msg.moved_to is not None  # the schema requires it
             tracked = self.core.note_moved(msg.request_id, msg.moved_to, time.monotonic())
@@ -545,10 +536,19 @@ class RouterService:
 async def setup(ctx: ServiceContext[RouterSettings]) -> None:
     svc = RouterService(ctx)
     bus, subjects, topo = ctx.bus, ctx.bus.subjects, svc.topology
-    await bus.subscribe(subjects.load_all, LoadReport, svc.on_load_report)
+    await bus.subscribe(
+        subjects.load_all, LoadReport, svc.on_load_report, identity=IDENTITY[LoadReport]
+    )
     await bus.subscribe(subjects.decisions_all, Decision, svc.on_decision)
-    await bus.subscribe(subjects.profiles_all, DecodeProfile, svc.on_profile)
-    await bus.subscribe(subjects.finished_all, RequestFinished, svc.on_finished)
+    await bus.subscribe(
+        subjects.profiles_all, DecodeProfile, svc.on_profile, identity=IDENTITY[DecodeProfile]
+    )
+    await bus.subscribe(
+        subjects.finished_all,
+        RequestFinished,
+        svc.on_finished,
+        identity=IDENTITY[RequestFinished],
+    )
     tasks = [
         asyncio.create_task(svc.partition_loader(), name="partition-loader"),
         asyncio.create_task(svc.expire_loop(), name="expire-loop"),
@@ -576,6 +576,7 @@ async def setup(ctx: ServiceContext[RouterSettings]) -> None:
         svc.on_prefill_done,
         batch=ctx.settings.consumer_batch,
         max_concurrency=ctx.settings.max_concurrency,
+        identity=IDENTITY[PrefillDone],
     )
     ctx.set_ready()
     log.info(

@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from eldr.bus import SIGNATURE_QUEUE, Delivery, Replay, stream_name
-from eldr.bus.topology import BLOCKS
+from eldr.bus.topology import BLOCKS, IDENTITY
 from eldr.runtime import ServiceContext, service_main
 from eldr.signature_state import (
     Outcome,
@@ -276,7 +276,11 @@ class SignatureService:
         # Deliver-all from the stream's first message, then live ones: every replica
         # rebuilds the same cache from the stream.
         replay = await bus.replay(
-            blocks_stream, bus.subjects.blocks_all, BlockSummaryBatch, replica.on_batch
+            blocks_stream,
+            bus.subjects.blocks_all,
+            BlockSummaryBatch,
+            replica.on_batch,
+            identity=IDENTITY[BlockSummaryBatch],
         )
         replica.collector.replay = replay
         ctx.add_health_check("blocks_replay_caught_up", replay.caught_up.is_set)

@@ -30,7 +30,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from eldr.bus import Delivery, build_topology
-from eldr.bus.topology import DECISIONS, FINISHED, LOAD, PARTITIONS, PROFILES
+from eldr.bus.topology import DECISIONS, FINISHED, IDENTITY, LOAD, PARTITIONS, PROFILES
 from eldr.core.online import DriftBaseline, ShadowResult
 from eldr.core.partition import FitReport
 from eldr.runtime import ServiceContext, service_main
@@ -252,9 +252,6 @@ class TrainerService:
         self.trainer.add_profile(msg, delivery.timestamp_s)
 
     async def on_finished(self, msg: RequestFinished, delivery: Delivery) -> None:
-        if delivery.subject != self.ctx.bus.subjects.finished(msg.gateway_id):
-            self.trainer.observer.took_input("finished", "gateway_mismatch")
-            return
         self.trainer.add_finished(msg, delivery.timestamp_s)
 
     async def on_load(self, msg: LoadReport, delivery: Delivery) -> None:
@@ -293,6 +290,7 @@ async def setup(ctx: ServiceContext[TrainerSettings]) -> None:
             DecodeProfile,
             svc.on_profile,
             start_time_s=now_s - s.window_max_age_s,
+            identity=IDENTITY[DecodeProfile],
         ),
         await bus.replay(
             topo.stream_name(DECISIONS),
@@ -307,6 +305,7 @@ async def setup(ctx: ServiceContext[TrainerSettings]) -> None:
             RequestFinished,
             svc.on_finished,
             start_time_s=now_s - s.window_max_age_s,
+            identity=IDENTITY[RequestFinished],
         ),
     ]
     if not s.trainer_workers:
@@ -317,6 +316,7 @@ async def setup(ctx: ServiceContext[TrainerSettings]) -> None:
                 LoadReport,
                 svc.on_load,
                 start_time_s=now_s - s.worker_ttl_s,
+                identity=IDENTITY[LoadReport],
             )
         )
     try:

@@ -20,8 +20,9 @@ import msgspec
 import numpy as np
 from prometheus_client import CollectorRegistry
 
-from eldr.bus import Bus
+from eldr.bus import REFUSAL_REASONS, Bus
 from eldr.bus.client import Consumer, Replay, Service, Subscription
+from eldr.bus.topology import IDENTITY
 from eldr.core.blocks import summarize_blocks, trace_token_ids
 from eldr.core.synthetic import SyntheticSpec, generate
 from eldr.data.profiles import DEFAULT_PROFILE_FOR_TRACES, load_catalog
@@ -61,7 +62,8 @@ L, E = 4, 16
 WORKERS = ("w0", "w1")
 
 Outcome = str
-""""too_large", "invalid", "handled", "handler_error" (from the bus metrics)."""
+""""too_large", "invalid", "handled", "handler_error" or a refusal reason (a well-formed
+message refused for what it claims, `eldr.bus.REFUSAL_REASONS`), from the bus metrics."""
 
 
 @dataclass
@@ -93,7 +95,8 @@ class Target:
         return len(self.nc.js.stored.get(self.dlq_subject, []))
 
     async def feed(self, data: bytes) -> Outcome:
-        counts = {r: self.rejected(r) for r in ("too_large", "invalid", "handler_error")}
+        reasons = ("too_large", "invalid", "handler_error", *REFUSAL_REASONS)
+        counts = {r: self.rejected(r) for r in reasons}
         await self.deliver(data)
         for reason, before in counts.items():
             if self.rejected(reason) > before:
@@ -333,9 +336,13 @@ def _target(
     bus, nc, registry = fake_bus(NS, max_payload_bytes=max_payload_bytes)
     handler = handler_for(bus, registry)
     family = bus.subjects.family(subject)
+    # As the services subscribe: a message naming its sender is checked against the subject.
+    identity = IDENTITY.get(message_type)
     deliver: Callable[[bytes], Awaitable[None]]
     if kind == "subscribe":
-        sub: Subscription[Any] = Subscription(bus, subject, message_type, handler)
+        sub: Subscription[Any] = Subscription(
+            bus, subject, message_type, handler, identity=identity
+        )
 
         async def deliver(data: bytes) -> None:
             await sub.on_msg(core_msg(nc, subject, data))
@@ -360,6 +367,7 @@ def _target(
             batch=1,
             max_concurrency=1,
             error_backoff_s=1.0,
+            identity=identity,
         )
 
         async def deliver(data: bytes) -> None:
@@ -367,7 +375,9 @@ def _target(
 
         dlq = bus.subjects.dlq(stream)
     elif kind == "replay":
-        replay: Replay[Any] = Replay(bus, stream, subject, message_type, handler, False)
+        replay: Replay[Any] = Replay(
+            bus, stream, subject, message_type, handler, False, identity=identity
+        )
 
         async def deliver(data: bytes) -> None:
             await replay.on_msg(js_msg(nc, stream, "ordered", subject, data))

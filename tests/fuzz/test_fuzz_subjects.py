@@ -4,8 +4,10 @@ Each case goes through the real bus path of its subject (size check, validated d
 metrics, dead-lettering, ack/nak/term) into the service's real handler, over an in-memory
 NATS stand-in (`fakebus.py`). Properties: nothing escapes the bus path; a payload the codec
 refuses is counted (`eldr_bus_messages_rejected_total{reason=invalid|too_large}`) and
-dead-lettered; a payload that decodes is handled without a handler error; afterwards the
-service still handles valid messages. Oversized payloads are refused by size before any
+dead-lettered; a payload that decodes is handled without a handler error, or refused for
+what it claims (`eldr.bus.Reject`: a sender id other than the subject's, a geometry or
+counts no real model has) and then counted and dead-lettered too; afterwards the service
+still handles valid messages. Oversized payloads are refused by size before any
 decoding.
 
 Two drivers share the mutations (`mutations.py`):
@@ -31,6 +33,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from eldr.bus import REFUSAL_REASONS
 from eldr.wire import KIND_OF, WireError, codec, decode, encode
 
 from .mutations import RandomChooser, payload, payloads, plain
@@ -72,6 +75,11 @@ def check_case(
         reply_to, answer = target.nc.published[-1]
         assert reply_to == "_INBOX.fuzz.reply", "refused without an answer"
         assert answer == b""  # the reason travels in the error header
+    elif valid and outcome in REFUSAL_REASONS:
+        # Well-formed but refused for what it claims (a worker id that is not the
+        # subject's, a geometry or counts no real model has): dead-lettered, never lost.
+        assert not target.reply_path
+        assert target.dead_letters() == letters + 1, f"{target.name}: refused silently"
     elif valid or target.reply_path:
         assert outcome == "handled", f"{target.name}: the handler failed"
     else:

@@ -15,6 +15,7 @@ from eldr.bus import (
     Bus,
     Delivery,
     NotFoundError,
+    Reject,
     RemoteError,
     Retry,
     Topology,
@@ -230,6 +231,69 @@ async def test_consume_dead_letters_undecodable_and_continues(bus: Bus, topology
     (letter,) = letters
     assert (letter.stream, letter.stream_seq, letter.payload) == (stream, 1, b"\x93not a message")
     assert "PrefillDone" in letter.error
+
+
+async def test_consume_refusals_are_dead_lettered_and_never_redelivered(
+    bus: Bus, topology: Topology
+) -> None:
+    # One refused by the handler (Reject), one by the identity check (prefill_worker p0
+    # published on prefill.done.p1), one taken: the two refused ones reach the DLQ once
+    # each and are terminated (the consumer has nothing pending or unacked).
+    await applied(bus, topology)
+    stream = topology.stream_name(PREFILL)
+    letters: list[DeadLetter] = []
+    taken: list[str] = []
+    deliveries: list[str] = []
+
+    async def handle(message: PrefillDone, delivery: Delivery) -> None:
+        deliveries.append(message.request_id)
+        if message.request_id == "refused":
+            raise Reject("over_limit", "too big for this test")
+        taken.append(message.request_id)
+
+    async def on_letter(letter: DeadLetter, delivery: Delivery) -> None:
+        letters.append(letter)
+
+    await bus.replay(topology.stream_name(DLQ), bus.subjects.dlq(stream), DeadLetter, on_letter)
+    await bus.consume(
+        stream, ROUTER_CONSUMER, PrefillDone, handle, identity="prefill_worker", batch=1
+    )
+    await bus.js_publish(bus.subjects.prefill_done("p0"), prefill_done("refused"))
+    await bus.js_publish(bus.subjects.prefill_done("p1"), prefill_done("forged"))
+    await bus.js_publish(bus.subjects.prefill_done("p0"), prefill_done("fine"))
+
+    async def settled() -> bool:
+        state = await bus.consumer_state(stream, ROUTER_CONSUMER)
+        return len(letters) == 2 and bool(taken) and state.num_ack_pending == 0
+
+    deadline = asyncio.get_running_loop().time() + WAIT_S
+    while not await settled():
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.3)  # a redelivery, if any, would come now
+    state = await bus.consumer_state(stream, ROUTER_CONSUMER)
+    assert (state.num_pending, state.num_ack_pending, state.num_redelivered) == (0, 0, 0)
+    assert taken == ["fine"]
+    assert deliveries == ["refused", "fine"]  # the forged one never reached the handler
+    by_error = sorted(letter.error for letter in letters)
+    assert len(by_error) == 2
+    assert "over_limit: too big" in by_error[1]
+    assert "identity_mismatch" in by_error[0]
+    assert "prefill_worker is 'p0' but it came on" in by_error[0]
+    rejected = bus.metrics.rejected
+    assert rejected.labels("prefill.done", "over_limit")._value.get() == 1
+    assert rejected.labels("prefill.done", "identity_mismatch")._value.get() == 1
+
+
+async def test_a_refused_request_gets_error_code_403(bus: Bus) -> None:
+    async def refuse(request: RefitRequest) -> RefitRequest:
+        raise Reject("inconsistent", "no")
+
+    await bus.serve(bus.subjects.trainer_refit, None, RefitRequest, refuse)
+    with pytest.raises(RemoteError) as err:
+        await bus.request(bus.subjects.trainer_refit, RefitRequest(reason="x"), RefitRequest)
+    assert err.value.code == 403
+    assert "inconsistent: no" in err.value.message
 
 
 async def test_request_reply_round_trip(bus: Bus) -> None:

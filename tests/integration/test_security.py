@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import msgspec
 import pytest
 from secure_nats import SecureNats, User, missing_reason, new_nkey_seed, start_secure_nats
 
@@ -40,16 +41,20 @@ from eldr.dev.stack import serve_command
 from eldr.runtime import run_service
 from eldr.settings import BusSettings, RetentionSettings
 from eldr.wire import (
+    DeadLetter,
     Decision,
     LoadReport,
     PartitionAnnouncement,
     PrefillDone,
     RefitReply,
     RefitRequest,
+    RouterControl,
+    RouterControlReply,
 )
 from eldr_services.router.service import setup as router_setup
 from eldr_services.router.settings import RouterSettings
 from support import messages
+from support.services import running_service
 
 pytestmark = pytest.mark.integration
 
@@ -251,6 +256,113 @@ async def test_a_decode_worker_may_report_only_its_own_load(secure: SecureNats) 
         other = await admin.get_last(stream, admin.subjects.load("dw1"), LoadReport)
     assert own is not None
     assert other is None
+
+
+async def _dead_letters(admin: Bus, ns: str, token: str) -> list[DeadLetter]:
+    """The dead letters of `dlq.<token>` stored so far."""
+    letters: list[DeadLetter] = []
+
+    async def on(letter: DeadLetter, _: Delivery) -> None:
+        letters.append(letter)
+
+    replay = await admin.replay(
+        f"{ns.upper()}_DLQ", admin.subjects.dlq(token), DeadLetter, on, stop_at_end=True
+    )
+    await replay.wait_caught_up(timeout_s=10)
+    return letters
+
+
+async def test_a_worker_can_speak_only_for_itself(secure: SecureNats) -> None:
+    """Identity from the transport (issue 15, finding 1). Decode user dw0 may publish only
+    on load.dw0, but the body names the worker: its reports for a lighter worker "ghost"
+    on its own subject were taken, and the router sent the next request to ghost. Now the
+    router refuses them (identity_mismatch, dead-lettered) and decides for dw0; prefill
+    user pw0's PrefillDone naming prefill worker pw1 on prefill.done.pw0 is dead-lettered
+    and terminated instead of decided."""
+    await topology(secure)
+    ns = secure.namespace
+    port = free_port()
+    router = RouterSettings(
+        **settings_for(secure, "router").model_dump(),
+        **RETENTION.model_dump(),
+        policy="jsq",
+        instance_id="router-identity",
+        metrics_port=port,
+    )
+    async with (
+        connected(secure, "admin") as admin,
+        running_service("router", router, router_setup),
+        connected(secure, "dw0") as worker,
+        connected(secure, "pw0") as prefill,
+    ):
+        replies: asyncio.Queue[Decision] = asyncio.Queue()
+
+        async def on_reply(decision: Decision, _: Delivery) -> None:
+            await replies.put(decision)
+
+        inbox = prefill.new_inbox()
+        await prefill.subscribe(inbox, Decision, on_reply)
+        for seq in range(3):
+            busy = msgspec.structs.replace(load_report("dw0", seq), running=5)
+            await worker.publish(worker.subjects.load("dw0"), busy)
+            # The ghost is idle: JSQ would pick it if the router believed the body.
+            await worker.publish(worker.subjects.load("dw0"), load_report("ghost", seq))
+        await worker.flush()
+        forged_done = msgspec.structs.replace(done("id-forged", inbox), prefill_worker="pw1")
+        await prefill.js_publish(
+            prefill.subjects.prefill_done("pw0"), forged_done, msg_id="id-forged"
+        )
+        await prefill.js_publish(
+            prefill.subjects.prefill_done("pw0"), done("id-1", inbox), msg_id="id-1"
+        )
+        decision = await asyncio.wait_for(replies.get(), 10)
+        (view,) = await admin.request_many(
+            admin.subjects.control_router, RouterControl(), RouterControlReply, timeout_s=2
+        )
+        refused = await _metric(
+            port,
+            'eldr_bus_messages_rejected_total{family="load",reason="identity_mismatch"}',
+            at_least=3,
+        )
+        refused_done = await _metric(
+            port,
+            'eldr_bus_messages_rejected_total{family="prefill.done",reason="identity_mismatch"}',
+            at_least=1,
+        )
+        core_letters = await _dead_letters(admin, ns, "core")
+        prefill_letters = await _dead_letters(admin, ns, f"{ns.upper()}_PREFILL")
+        forged_decision = await admin.get_last(
+            f"{ns.upper()}_DECISIONS", admin.subjects.decision("id-forged"), Decision
+        )
+    assert (decision.request_id, decision.worker_id) == ("id-1", "dw0")
+    assert [w for w, *_ in decision.fleet] == ["dw0"]
+    assert isinstance(view, RouterControlReply)
+    assert view.live_workers == 1
+    assert refused == 3
+    assert refused_done == 1
+    assert forged_decision is None
+    load_letters = [d for d in core_letters if d.subject == worker.subjects.load("dw0")]
+    assert len(load_letters) == 3
+    assert all("identity_mismatch" in d.error and "ghost" in d.error for d in load_letters)
+    assert [d.stream_seq is not None and "pw1" in d.error for d in prefill_letters] == [True]
+    print(
+        f"\nidentity: 3 forged load reports and 1 forged PrefillDone refused and "
+        f"dead-lettered; decision for {decision.worker_id}, live workers {view.live_workers}"
+    )
+
+
+async def _metric(port: int, series: str, *, at_least: float = 0.0) -> float:
+    """The value of one series on /metrics, once it reaches `at_least` (or after 5 s)."""
+    deadline = time.monotonic() + 5
+    while True:
+        text = await asyncio.to_thread(_get, f"http://127.0.0.1:{port}/metrics")
+        value = 0.0
+        for line in text.splitlines():
+            if line.startswith(series + " "):
+                value = float(line.split()[-1])
+        if value >= at_least or time.monotonic() > deadline:
+            return value
+        await asyncio.sleep(0.05)
 
 
 @pytest.mark.parametrize(

@@ -22,11 +22,13 @@ from eldr.bus.client import (
     is_reply_inbox,
 )
 from eldr.bus.errors import (
+    REFUSAL_REASONS,
     AlreadyExists,
     BusError,
     BusTimeoutError,
     NoRespondersError,
     NotFoundError,
+    Reject,
     RemoteError,
     Retry,
     TopologyError,
@@ -45,6 +47,7 @@ from eldr.bus.topology import (
 )
 
 __all__ = [
+    "REFUSAL_REASONS",
     "ROUTER_CONSUMER",
     "SIGNATURE_QUEUE",
     "AlreadyExists",
@@ -61,6 +64,7 @@ __all__ = [
     "ObjectRef",
     "ObjectStoreSpec",
     "PublishAck",
+    "Reject",
     "RemoteError",
     "Replay",
     "RequestHandler",

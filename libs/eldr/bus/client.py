@@ -15,6 +15,15 @@ Delivery contracts:
   with an error header. `request` turns such answers into `RemoteError`.
 - `subscribe` (core): at-most-once, one message at a time in arrival order.
 
+Refusals: a handler that raises `Reject(reason)` refuses a well-formed message for what
+it claims; every path counts it (`eldr_bus_messages_rejected_total{family, reason}`),
+logs it (at most once per `REFUSAL_LOG_INTERVAL_S` per family and reason, with the number
+left unsaid), dead-letters it and, for `consume`, terminates it (never a redelivery);
+`serve` answers error code 403. `subscribe`, `consume` and `replay` take `identity=FIELD`:
+a message whose FIELD is not the last token of the subject it came on (the token its
+sender is permitted to publish on: `load.<worker>` for `LoadReport.worker_id`) is refused
+as `identity_mismatch` before the handler sees it, so a worker can speak only for itself.
+
 `drain()` shuts down gracefully: consumers stop fetching, in-flight handlers finish and
 ack, then the connection drains (pending publishes and acks flushed) and closes.
 """
@@ -29,6 +38,7 @@ import hashlib
 import io
 import json
 import logging
+import math
 import re
 import ssl
 import time
@@ -51,6 +61,7 @@ from eldr.bus.errors import (
     BusTimeoutError,
     NoRespondersError,
     NotFoundError,
+    Reject,
     RemoteError,
     Retry,
 )
@@ -74,6 +85,11 @@ WRONG_LAST_SEQUENCE = 10071
 CORE_DLQ_TOKEN = "core"
 """DLQ subject token for messages that did not come from a stream."""
 _MAX_ERROR_HEADER_LEN = 1000
+REFUSAL_LOG_INTERVAL_S = 10.0
+"""At most one log line per subject family and refusal reason per this many seconds (a
+misbehaving worker refused at 10 reports/s must not flood the log)."""
+REFUSED_CODE = "403"
+"""`Eldr-Error-Code` of a request a handler refused (`Reject`)."""
 
 
 @dataclass(frozen=True)
@@ -198,6 +214,21 @@ def is_reply_inbox(subject: str, allowed_prefixes: Sequence[str]) -> bool:
     return False
 
 
+def check_identity(message: Message, subject: str, field_name: str | None) -> None:
+    """Raise `Reject("identity_mismatch")` unless `message.<field_name>` is the last token
+    of `subject` (the token the sender is permitted to publish on). None: no check."""
+    if field_name is None:
+        return
+    claimed = getattr(message, field_name)
+    token = subject.rsplit(".", 1)[-1]
+    if claimed != token:
+        raise Reject(
+            "identity_mismatch",
+            f"{type(message).__name__}.{field_name} is {str(claimed)[:80]!r} but it came on "
+            f"{subject[:200]}",
+        )
+
+
 def _one_line(text: str, limit: int = _MAX_ERROR_HEADER_LEN) -> str:
     return " ".join(text.split())[:limit]
 
@@ -266,6 +297,8 @@ class Bus:
         self._object_stores: dict[str, Any] = {}
         self._drained = False
         self._no_echo = False
+        self._refusal_log: dict[tuple[str, str], list[float]] = {}
+        """(family, reason) -> [last logged (monotonic s), refusals not logged since]."""
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -631,10 +664,15 @@ class Bus:
         handler: Handler[M],
         *,
         queue: str | None = None,
+        identity: str | None = None,
     ) -> Subscription:
         """Core subscription: `handler(message, delivery)` for each valid message, one at a
-        time, in arrival order. Invalid messages are counted and dead-lettered."""
-        subscription: Subscription = Subscription(self, subject, message_type, handler)
+        time, in arrival order. Invalid messages are counted and dead-lettered; with
+        `identity`, so is a message whose field of that name is not the subject's last
+        token (module docstring)."""
+        subscription: Subscription = Subscription(
+            self, subject, message_type, handler, identity=identity
+        )
         with _translated(f"subscribe to {subject}"):
             subscription.sub = await self._nc.subscribe(
                 subject, queue=queue or "", cb=subscription.on_msg
@@ -655,13 +693,15 @@ class Bus:
         batch: int = 16,
         max_concurrency: int = 16,
         error_backoff_s: float = 1.0,
+        identity: str | None = None,
     ) -> Consumer:
         """Consume the existing durable pull consumer `durable` of `stream`.
 
         Keeps standing pull requests open for up to `max_concurrency` messages (requested in
         chunks of at most `batch`), so each message is handled the moment the server
         delivers it rather than when a batch fills. Failed handlers are redelivered after
-        `error_backoff_s * 2**(deliveries - 1)` (capped at 60 s).
+        `error_backoff_s * 2**(deliveries - 1)` (capped at 60 s). `identity`: as for
+        `subscribe` (a mismatch is dead-lettered and terminated).
         """
         if batch < 1 or max_concurrency < 1:
             raise ValueError("batch and max_concurrency must be >= 1")
@@ -678,6 +718,7 @@ class Bus:
             batch=batch,
             max_concurrency=max_concurrency,
             error_backoff_s=error_backoff_s,
+            identity=identity,
         )
         with _translated(f"subscribe to the pull inbox of {stream}/{durable}"):
             await consumer.start()
@@ -696,6 +737,7 @@ class Bus:
         start_time_s: float | None = None,
         stop_at_end: bool = False,
         on_undecodable: Callable[[Undecodable], None] | None = None,
+        identity: str | None = None,
     ) -> Replay:
         """Deliver the messages of `stream` matching `subject_filter` in order, from
         `start_seq` or `start_time_s` (default: the first), then live ones.
@@ -704,7 +746,9 @@ class Bus:
         been handled; with `stop_at_end` it then stops (and sets `finished`). A message
         that does not decode is counted (`rejected`, reason `invalid` / `too_large`) and
         dead-lettered, or, with `on_undecodable`, handed to that callback instead: nothing
-        is published (read-only readers).
+        is published (read-only readers). `identity`: as for `subscribe`; a refused message
+        (that or `Reject` from the handler) is counted and dead-lettered (only counted with
+        `on_undecodable`).
         """
         if start_seq is not None and start_time_s is not None:
             raise ValueError("give start_seq or start_time_s, not both")
@@ -716,7 +760,14 @@ class Bus:
             config.deliver_policy = api.DeliverPolicy.BY_START_TIME
             config.opt_start_time = dt.datetime.fromtimestamp(start_time_s, tz=dt.UTC)
         replay: Replay = Replay(
-            self, stream, subject_filter, message_type, handler, stop_at_end, on_undecodable
+            self,
+            stream,
+            subject_filter,
+            message_type,
+            handler,
+            stop_at_end,
+            on_undecodable,
+            identity=identity,
         )
         with _translated(f"replay {stream} {subject_filter}"):
             replay.sub = await self._js.subscribe(
@@ -842,6 +893,48 @@ class Bus:
         self.metrics.dead_letters.labels(family).inc()
         return True
 
+    async def _refuse(
+        self,
+        msg: Msg,
+        family: str,
+        refusal: Reject,
+        *,
+        stream: str | None = None,
+        stream_seq: int | None = None,
+        num_delivered: int = 0,
+        dead_letter: bool = True,
+    ) -> bool:
+        """Count, log (rate-limited) and dead-letter a refused message; False if the dead
+        letter could not be stored."""
+        self.metrics.rejected.labels(family, refusal.reason).inc()
+        self._log_refusal(family, refusal, msg.subject)
+        if not dead_letter:
+            return True
+        return await self._dead_letter(
+            msg,
+            error=f"refused: {refusal}",
+            stream=stream,
+            stream_seq=stream_seq,
+            num_delivered=num_delivered,
+        )
+
+    def _log_refusal(self, family: str, refusal: Reject, subject: str) -> None:
+        now = time.monotonic()
+        state = self._refusal_log.setdefault((family, refusal.reason), [-math.inf, 0.0])
+        if now - state[0] < REFUSAL_LOG_INTERVAL_S:
+            state[1] += 1
+            return
+        unsaid = int(state[1])
+        state[0], state[1] = now, 0.0
+        log.warning(
+            "refused a message on %s: %s%s",
+            subject[:200],
+            _one_line(str(refusal), 500),
+            f" ({unsaid} more {refusal.reason} refusals on {family} since the last report)"
+            if unsaid
+            else "",
+        )
+
     async def _respond(self, reply: str, data: bytes, headers: dict[str, str] | None) -> None:
         try:
             await self._nc.publish(reply, data, headers=headers)
@@ -923,6 +1016,15 @@ class Service(_Handle, Generic[M, R]):
         try:
             reply = await self._handler(request)
             data = encode(reply)
+        except Reject as refusal:
+            if msg.reply:
+                await bus._respond(
+                    msg.reply,
+                    b"",
+                    {ERROR_HEADER: _one_line(str(refusal)), ERROR_CODE_HEADER: REFUSED_CODE},
+                )
+            await bus._refuse(msg, self._family, refusal)
+            return
         except Exception as exc:
             log.exception("request handler for %s failed", msg.subject)
             bus.metrics.rejected.labels(self._family, "handler_error").inc()
@@ -954,11 +1056,20 @@ class Subscription(_Handle, Generic[M]):
 
     stop_order = 2
 
-    def __init__(self, bus: Bus, subject: str, message_type: type[M], handler: Handler[M]) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        subject: str,
+        message_type: type[M],
+        handler: Handler[M],
+        *,
+        identity: str | None = None,
+    ) -> None:
         self._bus = bus
         self.subject = subject
         self._message_type = message_type
         self._handler = handler
+        self._identity = identity
         self._family = bus.subjects.family(subject)
         self.sub: NatsSubscription | None = None
 
@@ -974,7 +1085,10 @@ class Subscription(_Handle, Generic[M]):
             return
         started = time.perf_counter()
         try:
+            check_identity(message, msg.subject, self._identity)
             await self._handler(message, Delivery(subject=msg.subject, headers=msg.headers or {}))
+        except Reject as refusal:
+            await bus._refuse(msg, family, refusal)
         except Exception:
             log.exception("handler for %s failed", msg.subject)
             bus.metrics.rejected.labels(family, "handler_error").inc()
@@ -1015,8 +1129,10 @@ class Consumer(_Handle, Generic[M]):
         batch: int,
         max_concurrency: int,
         error_backoff_s: float,
+        identity: str | None = None,
     ) -> None:
         self._bus = bus
+        self._identity = identity
         self.stream = stream
         self.durable = durable
         self._message_type = message_type
@@ -1151,7 +1267,22 @@ class Consumer(_Handle, Generic[M]):
             return
         started = time.perf_counter()
         try:
+            check_identity(message, msg.subject, self._identity)
             await self._handler(message, delivery)
+        except Reject as refusal:
+            # Never redelivered: the same message would be refused again.
+            stored = await bus._refuse(
+                msg,
+                family,
+                refusal,
+                stream=delivery.stream,
+                stream_seq=delivery.stream_seq,
+                num_delivered=delivery.num_delivered,
+            )
+            if stored:
+                await self._settle(msg, "term")
+            else:
+                await self._settle(msg, "nak", delay_s=self._backoff_s(meta.num_delivered))
         except Retry as retry:
             if last_try:
                 bus.metrics.rejected.labels(family, "exhausted").inc()
@@ -1248,9 +1379,12 @@ class Replay(_Handle, Generic[M]):
         handler: Handler[M],
         stop_at_end: bool,
         on_undecodable: Callable[[Undecodable], None] | None = None,
+        *,
+        identity: str | None = None,
     ) -> None:
         self._bus = bus
         self._on_undecodable = on_undecodable
+        self._identity = identity
         self.stream = stream
         self.subject_filter = subject_filter
         self._message_type = message_type
@@ -1327,6 +1461,7 @@ class Replay(_Handle, Generic[M]):
         else:
             started = time.perf_counter()
             try:
+                check_identity(message, msg.subject, self._identity)
                 await self._handler(
                     message,
                     Delivery(
@@ -1337,6 +1472,16 @@ class Replay(_Handle, Generic[M]):
                         timestamp_s=meta.timestamp.timestamp(),
                         headers=msg.headers or {},
                     ),
+                )
+            except Reject as refusal:
+                await bus._refuse(
+                    msg,
+                    family,
+                    refusal,
+                    stream=meta.stream,
+                    stream_seq=meta.sequence.stream,
+                    num_delivered=meta.num_delivered,
+                    dead_letter=self._on_undecodable is None,
                 )
             except Exception:
                 log.exception(

@@ -47,3 +47,34 @@ class Retry(Exception):  # noqa: N818 - it is a signal, not an error
         super().__init__(reason or "retry requested")
         self.reason = reason
         self.delay_s = delay_s
+
+
+REFUSAL_REASONS = (
+    "identity_mismatch",
+    "geometry_mismatch",
+    "inconsistent",
+    "over_limit",
+)
+"""Why a handler refuses a well-formed message (`Reject.reason`, a bounded metric label):
+`identity_mismatch`: the id it names is not the subject token its sender may publish on;
+`geometry_mismatch`: a model shape other than the one configured or served;
+`inconsistent`: its numbers contradict each other (counts that no real block can have);
+`over_limit`: more than a configured bound (workers, cells, samples)."""
+
+
+class Reject(Exception):  # noqa: N818 - it is a verdict, not an error
+    """Raise from any handler to refuse a well-formed message for what it claims.
+
+    Every receive path of the bus (`subscribe`, `consume`, `replay`, `serve`) turns it into
+    the same outcome: counted in `eldr_bus_messages_rejected_total{family, reason}`,
+    logged (rate-limited), dead-lettered with the reason, and for a JetStream consumer
+    terminated (never redelivered: the same bytes would be refused again); a request gets
+    an error answer with code 403. `reason` is one of `REFUSAL_REASONS`.
+    """
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        if reason not in REFUSAL_REASONS:
+            raise ValueError(f"refusal reason {reason!r} is not one of {REFUSAL_REASONS}")
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail

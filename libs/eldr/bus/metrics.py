@@ -8,10 +8,20 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-REJECT_REASONS = ("too_large", "invalid", "handler_error", "exhausted", "dead_letter_failed")
+from eldr.bus.errors import REFUSAL_REASONS
+
+REJECT_REASONS = (
+    "too_large",
+    "invalid",
+    "handler_error",
+    "exhausted",
+    "dead_letter_failed",
+    *REFUSAL_REASONS,
+)
 """`too_large`: over max_payload_bytes; `invalid`: not a valid message of the expected
 type; `handler_error`: the handler raised; `exhausted`: failed on its last delivery;
-`dead_letter_failed`: could not be dead-lettered (kept for redelivery)."""
+`dead_letter_failed`: could not be dead-lettered (kept for redelivery); the
+`REFUSAL_REASONS`: well-formed, but refused for what it claims (`eldr.bus.Reject`)."""
 
 
 class BusMetrics:

@@ -14,6 +14,15 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from eldr.settings import NAMESPACE_PATTERN, RetentionSettings
+from eldr.wire import (
+    BlockSummaryBatch,
+    CaptureStatus,
+    DecodeProfile,
+    LoadReport,
+    Message,
+    PrefillDone,
+    RequestFinished,
+)
 
 _NAMESPACE_RE = re.compile(NAMESPACE_PATTERN)
 _TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{1,256}$")
@@ -36,6 +45,20 @@ ROUTER_CONSUMER = "router"
 """Durable pull consumer on PREFILL shared by all router replicas."""
 SIGNATURE_QUEUE = "signature"
 """Queue group of the signature service on `{ns}.sig.assemble`."""
+
+IDENTITY: dict[type[Message], str] = {
+    BlockSummaryBatch: "worker_id",
+    PrefillDone: "prefill_worker",
+    LoadReport: "worker_id",
+    DecodeProfile: "worker_id",
+    RequestFinished: "gateway_id",
+    CaptureStatus: "worker_id",
+}
+"""For each message that names its sender, the field that does: it must equal the last
+token of the subject it came on (`blocks.<worker>`, `prefill.done.<worker>`,
+`load.<worker>`, `profiles.<worker>`, `finished.<gateway>`, `capture.<worker>`), which is
+what the sender's NATS permissions let it publish on. Readers pass it to the bus
+(`identity=IDENTITY[LoadReport]`), which refuses any other (`identity_mismatch`)."""
 
 
 def subject_token(value: str, what: str = "token") -> str:
