@@ -366,6 +366,11 @@ class SimDecodeHost:
             for done in state.finish_step(plan, live.deadline_s / scale):
                 m.finished.labels(wid).inc()
                 m.tpot_seconds.labels(wid).observe(done.tpot_s)
+                # The end of the response goes out at once, as a real decode stream closes
+                # with its last token; the profile is a separate, later publish.
+                await self._say_done(done.request_id, wid, "length", done.decode_tokens)
+                if not self.config.publish_profiles:
+                    continue
                 try:
                     self._profiles.put_nowait((wid, done))
                 except asyncio.QueueFull:
@@ -420,9 +425,7 @@ class SimDecodeHost:
         while True:
             wid, done = await self._profiles.get()
             try:
-                await self._say_done(done.request_id, wid, "length", done.decode_tokens)
-                if self.config.publish_profiles:
-                    await self._publish_profile(wid, done)
+                await self._publish_profile(wid, done)
             finally:
                 self._profiles.task_done()
 
