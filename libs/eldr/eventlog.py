@@ -196,10 +196,13 @@ class EventLog:
 
     def __post_init__(self) -> None:
         self.events = sorted(self.events, key=_sort_key)
-        self._decisions = [e.message for e in self.events if isinstance(e.message, Decision)]
+        records = [e.message for e in self.events if isinstance(e.message, Decision)]
         self._by_request: dict[str, Decision] = {}
-        for d in self._decisions:
+        for d in records:
             self._by_request.setdefault(d.request_id, d)  # first write wins, as on the bus
+        # Expired records assigned no worker: nothing to replay, explain says so.
+        self._decisions = [d for d in records if d.assigned]
+        self._expired = [d for d in records if not d.assigned]
         self._profiles: dict[str, DecodeProfile] = {}
         self._finishes: dict[str, RequestFinished] = {}
         for e in self.events:
@@ -216,10 +219,17 @@ class EventLog:
 
     @property
     def decisions(self) -> list[Decision]:
-        """Every decision, in time order."""
+        """Every decision that assigned a worker, in time order."""
         return self._decisions
 
+    @property
+    def expired(self) -> list[Decision]:
+        """The expired records (taken after the requester's deadline, no worker), in time
+        order: part of the record, not replayed."""
+        return self._expired
+
     def decision(self, request_id: str) -> Decision | None:
+        """The request's record (an assignment, or an expired record), if any."""
         return self._by_request.get(request_id)
 
     @property

@@ -458,6 +458,8 @@ class ReplayReport:
     reproduction: ReproductionReport
     counterfactual: CounterfactualReport | None
     notes: list[str]
+    expired: int = 0
+    """Expired records in the log (no worker assigned): not replayed."""
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready (arrays dropped; plots read them from the objects)."""
@@ -908,6 +910,7 @@ class Replayer:
             reproduction=reproduction,
             counterfactual=counterfactual,
             notes=notes,
+            expired=len(self.log.expired),
         )
 
 

@@ -476,6 +476,11 @@ def format_report(report: ReplayReport, listed: int = 10) -> str:
         )
     source = report.source or f"namespace {report.namespace}"
     lines.append(f"{report.decisions:,} decisions from {source}{span}")
+    if report.expired:
+        lines.append(
+            f"{report.expired:,} expired records (taken after their deadline, no worker "
+            "assigned): not replayed"
+        )
     recorded = "; ".join(f"{k}: {n:,}" for k, n in report.recorded_policies.items())
     lines.append(f"recorded policies: {recorded}")
     r = report.reproduction
@@ -683,6 +688,7 @@ async def _explain_from_nats(request_id: str, timeout_s: float) -> tuple[Any, An
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:
+    from eldr.eventlog import format_ts
     from eldr.explain import explain
     from eldr.partitions import partition_from_blob
 
@@ -710,6 +716,13 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         return _fail(
             "explain", f"no decision recorded for request id {args.request_id!r} in {where}"
         )
+    if not decision.assigned:
+        print(
+            f"request {decision.request_id}: expired. Router {decision.router_id} took its "
+            f"PrefillDone at {format_ts(decision.ts_s)}, after the requester's deadline, and "
+            "assigned no worker (the requester had chosen one itself)."
+        )
+        return EXIT_OK
     explanation = explain(decision, partition, profile)
     if args.json:
         print(json.dumps(explanation.as_dict(), indent=2))

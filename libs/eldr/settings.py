@@ -19,6 +19,15 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from eldr.core.limits import (
+    DEFAULT_MAX_CELLS,
+    DEFAULT_MAX_EXPERTS,
+    DEFAULT_MAX_MOE_LAYERS,
+    GeometryLimits,
+    parse_model_geometries,
+)
+from eldr.wire.base import MAX_EXPERTS, MAX_MOE_LAYERS, MAX_SPARSE_CELLS
+
 NAMESPACE_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,31}$"
 """Lower case so that upper-cased stream names (`ELDR_BLOCKS`) cannot collide; no dots
 (it is one subject token); short, because it prefixes stream and bucket names."""
@@ -190,6 +199,60 @@ class RetentionSettings(BaseSettings):
     router_max_ack_pending: int = Field(
         default=4096, ge=1, description="PrefillDone events in flight across all router replicas."
     )
+
+
+class GeometrySettings(BaseSettings):
+    """Which model geometries a service that densifies expert counts accepts (routers,
+    signature replicas, the trainer); see `eldr.core.limits`."""
+
+    model_config = _CONFIG
+
+    max_moe_layers: int = Field(
+        default=DEFAULT_MAX_MOE_LAYERS,
+        ge=1,
+        le=MAX_MOE_LAYERS,
+        description="Events declaring more MoE layers are refused before anything is "
+        "allocated for them.",
+    )
+    max_experts: int = Field(
+        default=DEFAULT_MAX_EXPERTS,
+        ge=1,
+        le=MAX_EXPERTS,
+        description="Events declaring more experts per MoE layer are refused.",
+    )
+    max_signature_cells: int = Field(
+        default=DEFAULT_MAX_CELLS,
+        ge=1,
+        le=MAX_SPARSE_CELLS,
+        description="Events declaring more MoE layers x experts are refused (DeepSeek-V3: "
+        "58 x 256 = 14,848). A router's decision records carry the signature, so this also "
+        "bounds their size (see max_workers).",
+    )
+    model_geometries: str = Field(
+        default="",
+        description="The models served and their geometry, `model=LAYERSxEXPERTS` "
+        "comma-separated (`qwen3-30b-a3b=48x128`): a listed model's events must have exactly "
+        "that geometry. Empty: any model within the caps above.",
+    )
+    only_listed_models: bool = Field(
+        default=False,
+        description="Refuse events of models model_geometries does not list.",
+    )
+
+    @field_validator("model_geometries")
+    @classmethod
+    def _geometries(cls, value: str) -> str:
+        parse_model_geometries(value)
+        return value
+
+    def geometry_limits(self) -> GeometryLimits:
+        return GeometryLimits(
+            max_moe_layers=self.max_moe_layers,
+            max_experts=self.max_experts,
+            max_cells=self.max_signature_cells,
+            models=parse_model_geometries(self.model_geometries),
+            only_listed=self.only_listed_models,
+        )
 
 
 def _default_instance_id() -> str:

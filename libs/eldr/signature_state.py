@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from eldr.core.blockcache import BlockCache, SparseBlock
+from eldr.core.blocks import block_top_k
+from eldr.core.limits import GeometryLimits
 from eldr.wire import AssembleReply, AssembleRequest, BlockSummaryBatch, NdArray, SparseCounts
 from eldr.wire.base import MAX_MISSING_LISTED
 
@@ -35,9 +37,14 @@ class RejectReason(enum.StrEnum):
     """Why a well-formed batch was not cached (a metric label: keep the set fixed)."""
 
     GEOMETRY_MISMATCH = "geometry_mismatch"
-    """Its (num_moe_layers, num_experts) differ from what earlier batches of the model said."""
+    """Its (num_moe_layers, num_experts) differ from what earlier batches of the model said,
+    or from the configuration (`GeometryLimits`: the model's configured geometry, the caps)."""
     COUNT_OVERFLOW = "count_overflow"
     """A block count does not fit uint16 (no real block holds more than 65,535 slots)."""
+    INCONSISTENT = "inconsistent"
+    """A block's counts no real block can have (`eldr.core.blocks.block_top_k`: layer
+    totals not n_tokens x top-k, a cell above n_tokens), or blocks of one batch implying
+    different top-k."""
     TOO_MANY_MODELS = "too_many_models"
     """A new model beyond the configured number of models."""
 
@@ -200,10 +207,12 @@ class SignatureState:
         *,
         max_models: int = 256,
         max_publishers: int = DEFAULT_MAX_PUBLISHERS,
+        limits: GeometryLimits | None = None,
     ) -> None:
         if max_models <= 0:
             raise ValueError(f"max_models must be positive, got {max_models}")
         self.cache = BlockCache(cache_max_bytes)
+        self.limits = limits or GeometryLimits()
         self.geometries: dict[str, Geometry] = {}
         self.max_models = max_models
         self.seqs = PublisherSeqs(max_publishers)
@@ -219,6 +228,9 @@ class SignatureState:
         n_blocks = len(batch.blocks)
         geometry = (batch.num_moe_layers, batch.num_experts)
         known = self.geometries.get(batch.model)
+        problem = self.limits.problem(batch.model, *geometry)
+        if problem is not None:
+            return IngestResult(seq, RejectReason.GEOMETRY_MISMATCH, n_blocks, 0, problem)
         if known is not None and known != geometry:
             return IngestResult(
                 seq,
@@ -236,6 +248,7 @@ class SignatureState:
                 f"already {len(self.geometries)} models; {batch.model!r} would be one more",
             )
         entries: list[tuple[int, SparseBlock]] = []
+        top_k: int | None = None  # one model, one top-k: every block of the batch agrees
         for i, block in enumerate(batch.blocks):
             entry = _cacheable(block.counts)
             if entry is None:
@@ -246,6 +259,13 @@ class SignatureState:
                     0,
                     f"blocks[{i}] has a count above {_U16_MAX}",
                 )
+            implied, why = block_top_k(entry.idx, entry.val, *geometry, block.n_tokens)
+            if implied is None or (top_k is not None and implied != top_k):
+                detail = why or f"top-{implied}, the batch's first block is top-{top_k}"
+                return IngestResult(
+                    seq, RejectReason.INCONSISTENT, n_blocks, 0, f"blocks[{i}]: {detail}"
+                )
+            top_k = implied
             entries.append((block.block_hash, entry))
         if known is None:
             self.geometries[batch.model] = geometry
@@ -274,6 +294,7 @@ class SignatureState:
         if partial is not None:
             partial_geometry = (partial.shape[0], partial.shape[1])
             if geometry is None:
+                error = self.limits.problem(request.model, *partial_geometry)
                 geometry = partial_geometry
             elif geometry != partial_geometry:
                 error = (

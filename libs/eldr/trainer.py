@@ -446,7 +446,9 @@ class Trainer:
 
     def add_decision(self, msg: Decision, ts_s: float | None) -> None:
         """Take a routing decision (stamped `ts_s`, else now) into the window."""
-        if msg.signature is None:
+        if not msg.assigned:
+            outcome = "expired"  # no worker decoded it: nothing to learn
+        elif msg.signature is None:
             outcome = "no_signature"
         elif self.config.model is not None and msg.model != self.config.model:
             outcome = "other_model"

@@ -421,7 +421,12 @@ class Gateway:
         finish: FinishTracker,
     ) -> web.StreamResponse:
         with self.decisions.expecting(request_id) as waiter:
-            pre = prefill_body(body, request_id, self.inbox)
+            pre = prefill_body(
+                body,
+                request_id,
+                self.inbox,
+                decision_budget_s=self.settings.gateway_decision_timeout_s,
+            )
             if self.response_sources:
                 pre.update(RETURN_FIELDS)
             try:
@@ -494,6 +499,7 @@ class Gateway:
             geometry=geometry,
             problem=problem,
             wall_s=time.time(),
+            decision_budget_s=self.settings.gateway_decision_timeout_s,
         )
         bus = self.ctx.bus
         try:
@@ -545,6 +551,7 @@ class Gateway:
                 time.time(),
                 reply_to=self.inbox,
                 max_tokens=max_tokens_of(body),
+                decision_budget_s=self.settings.gateway_decision_timeout_s,
             )
         except SourceError as exc:
             log.warning("no signature for %s from %s: %s", request_id, prefill_name, exc)

@@ -53,6 +53,7 @@ from eldr.wire import (
     SparseCounts,
     WireError,
 )
+from eldr.wire.messages import NO_WORKER
 
 from .load_metrics import LoadTableCollector
 from .settings import RouterSettings
@@ -62,7 +63,16 @@ log = logging.getLogger(__name__)
 REPLY_PREFIXES = ("_INBOX",)
 """Requesters wait on inboxes: a PrefillDone.reply_to outside them is never answered (under
 the generated permissions the server narrows it to the requester roles' own prefixes)."""
+PARTITION_RETRY_MIN_S = 0.5
+PARTITION_RETRY_MAX_S = 10.0
+"""A failed partition load is retried after 0.5 s, doubling up to 10 s (a missing blob
+costs one object-store lookup per 10 s)."""
 LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5)
+
+
+def expired(msg: PrefillDone, now_s: float) -> bool:
+    """Whether the event's requester has stopped waiting (its deadline is past)."""
+    return msg.deadline_s is not None and now_s > msg.deadline_s
 
 
 class RouterMetrics:
@@ -98,6 +108,12 @@ class RouterMetrics:
             "Redelivered PrefillDone events answered with the decision committed earlier.",
             registry=r,
         )
+        self.expired = Counter(
+            "eldr_router_expired_total",
+            "PrefillDone events taken after their deadline (the requester had stopped "
+            "waiting), recorded as expired instead of assigned.",
+            registry=r,
+        )
         self.no_live_workers = Counter(
             "eldr_router_no_live_workers_total",
             "PrefillDone events put back because no decode worker was live.",
@@ -111,16 +127,31 @@ class RouterMetrics:
         )
         self.partition_loads = Counter(
             "eldr_router_partition_loads_total",
-            "Partition versions loaded, by outcome (ok, error).",
+            "Partition load attempts, by outcome (ok, error: each failed attempt; retried "
+            "with backoff).",
             ["outcome"],
+            registry=r,
+        )
+        self.partition_announced = Gauge(
+            "eldr_router_partition_announced_version",
+            "Newest partition version this replica has seen announced (0: none).",
+            registry=r,
+        )
+        self.partition_behind = Gauge(
+            "eldr_router_partition_behind",
+            "1 while the newest announced partition version is not the one in use (its "
+            "load failed and is being retried, or is under way).",
             registry=r,
         )
         self.load_reports = Counter(
             "eldr_router_load_reports_total",
-            "Load reports applied (ok) or ignored as out of order (stale).",
+            "Load reports applied (ok), ignored as out of order (stale), or refused because "
+            "they would add a worker beyond max_workers (fleet_full).",
             ["outcome"],
             registry=r,
         )
+        for outcome in ("ok", "stale", "fleet_full"):
+            self.load_reports.labels(outcome)
         self.activity_requests = Gauge(
             "eldr_router_activity_requests",
             "In-flight requests whose predicted experts cost-aware routing counts against "
@@ -150,10 +181,16 @@ class RouterMetrics:
         )
         self.rejected_inputs = Counter(
             "eldr_router_rejected_inputs_total",
-            "Well-formed messages refused for what they claim, by kind.",
+            "Well-formed inputs not used for what they claim, by kind: prefill_geometry (a "
+            "PrefillDone's counts of a geometry other than the partition's or beyond the "
+            "limits: decided load-only, nothing allocated), decision_geometry (another "
+            "replica's decision, not counted in the activity table), activity_shape (an "
+            "assignment of another geometry than the activity table's).",
             ["kind"],
             registry=r,
         )
+        for kind in ("prefill_geometry", "decision_geometry", "activity_shape"):
+            self.rejected_inputs.labels(kind)
         for reason in ("over_in_flight", "ttl", "capacity", "worker_gone"):
             self.activity_evictions.labels(reason)
         # Pre-create the bounded label sets so dashboards see zeros.
@@ -170,7 +207,9 @@ class RouterService:
         self.subjects = ctx.bus.subjects
         self.topology = build_topology(s.namespace, s)
         self.metrics = RouterMetrics(ctx)
-        self.table = LoadTable(stale_after_s=s.stale_after_s, pending_ttl_s=s.pending_ttl_s)
+        self.table = LoadTable(
+            stale_after_s=s.stale_after_s, pending_ttl_s=s.pending_ttl_s, max_workers=s.max_workers
+        )
         self.core = RouterCore(
             PolicySpec(name=s.policy, tau=s.tau, load_measure=s.load_measure),
             self.table,
@@ -179,20 +218,40 @@ class RouterService:
             activity_ttl_s=s.activity_ttl_s,
             activity_slack=s.activity_slack,
             activity_max_entries=s.activity_max_entries,
+            limits=s.geometry_limits(),
         )
         ctx.registry.register(LoadTableCollector(self.table, self.core.activity))
         activity = self.core.activity
         self.metrics.activity_requests.set_function(lambda: len(activity))
         self.metrics.activity_bytes.set_function(lambda: activity.nbytes)
         self._evicted_capacity = 0
+        self._refused_shape = 0
+        self._fleet_full_logged_s = -1e9
+        self._geometry_logged_s = -1e9
         self._latest_announcement: tuple[int, PartitionAnnouncement] | None = None
         self._loaded_seq = 0
+        self.partition_error: str | None = None
+        """Why the newest announced version is not in use, while it is not."""
         self._partition_wakeup = asyncio.Event()
         self._report_arrived = asyncio.Event()
 
     # --- inputs besides PrefillDone ------------------------------------------------------
 
     async def on_load_report(self, msg: LoadReport, _: Delivery) -> None:
+        if not self.table.admits(msg.worker_id):
+            self.table.refused_workers += 1
+            self.metrics.load_reports.labels("fleet_full").inc()
+            now = time.monotonic()
+            if now - self._fleet_full_logged_s >= 10.0:
+                self._fleet_full_logged_s = now
+                log.warning(
+                    "load report of %s refused: the load table holds max_workers=%d workers "
+                    "(%d reports of new workers refused so far)",
+                    msg.worker_id,
+                    self.table.max_workers,
+                    self.table.refused_workers,
+                )
+            return
         applied = self.table.on_report(
             Report(
                 worker_id=msg.worker_id,
@@ -214,6 +273,8 @@ class RouterService:
 
     async def on_decision(self, msg: Decision, _: Delivery) -> None:
         # Every replica's decisions (ours included: setdefault makes that a no-op).
+        if not msg.assigned:
+            return  # an expired record: nobody got the request, nothing to count
         now = time.monotonic()
         self.table.on_assignment(msg.worker_id, msg.request_id, 0, now)
         if (
@@ -221,6 +282,10 @@ class RouterService:
             and self.core.policy.uses_activity
             and msg.request_id not in self.core.activity  # ours, counted when decided
         ):
+            layers, experts = msg.signature.shape
+            if self.core.geometry_problem(msg.model, layers, experts) is not None:
+                self.metrics.rejected_inputs.labels("decision_geometry").inc()
+                return
             self.core.note_assignment(
                 msg.worker_id,
                 msg.request_id,
@@ -245,6 +310,17 @@ class RouterService:
             tracked = self.core.note_finished(msg.request_id, time.monotonic())
         self.metrics.finished.labels(msg.reason, "tracked" if tracked else "untracked").inc()
 
+    def _log_geometry(self, msg: PrefillDone, problem: str) -> None:
+        now = time.monotonic()
+        if now - self._geometry_logged_s >= 10.0:
+            self._geometry_logged_s = now
+            log.warning(
+                "request %s from %s: counts refused (%s); routed load-only",
+                msg.request_id,
+                msg.prefill_worker,
+                problem,
+            )
+
     def _bound_activity(self, worker_id: str) -> None:
         evicted = self.core.bound_activity(worker_id)
         if evicted:
@@ -254,15 +330,28 @@ class RouterService:
         seq = delivery.stream_seq or 0
         if self._latest_announcement is None or seq > self._latest_announcement[0]:
             self._latest_announcement = (seq, msg)
+            self.metrics.partition_announced.set(msg.version)
+            self.metrics.partition_behind.set(1)
             self._partition_wakeup.set()
 
+    @property
+    def partition_behind(self) -> bool:
+        """Whether a newer announcement than the version in use is not loaded (yet)."""
+        latest = self._latest_announcement
+        return latest is not None and latest[0] > self._loaded_seq
+
     async def partition_loader(self) -> None:
-        """Load the newest announced partition off the request path, then swap it in."""
+        """Load the newest announced partition off the request path, then swap it in; a
+        failed load (the blob not there yet, a transient error, a corrupt blob) is retried
+        with backoff until it succeeds or a newer announcement replaces it. Meanwhile the
+        replica routes with the version it has and says so (`eldr_router_partition_behind`,
+        `RouterControlReply.announced_version` / `partition_error`)."""
+        backoff_s = PARTITION_RETRY_MIN_S
         while not self.ctx.stopping.is_set():
-            await self._partition_wakeup.wait()
-            self._partition_wakeup.clear()
             latest = self._latest_announcement
             if latest is None or latest[0] <= self._loaded_seq:
+                await self._partition_wakeup.wait()
+                self._partition_wakeup.clear()
                 continue
             seq, ann = latest
             try:
@@ -277,12 +366,28 @@ class RouterService:
                 )
             except (BusError, ValueError) as exc:
                 self.metrics.partition_loads.labels("error").inc()
-                log.error("could not load partition version %d: %s", ann.version, exc)
+                self.partition_error = f"version {ann.version}: {exc}"[:1000]
+                in_use = self.core.partition
+                log.error(
+                    "could not load partition version %d (routing with %s; retrying in %.1f s): %s",
+                    ann.version,
+                    "none" if in_use is None else f"version {in_use.version}",
+                    backoff_s,
+                    exc,
+                )
+                self._partition_wakeup.clear()
+                with contextlib.suppress(TimeoutError):
+                    # A newer announcement tries at once; else the same one after the wait.
+                    await asyncio.wait_for(self._partition_wakeup.wait(), timeout=backoff_s)
+                backoff_s = min(backoff_s * 2, PARTITION_RETRY_MAX_S)
                 continue
+            backoff_s = PARTITION_RETRY_MIN_S
             self.core.set_partition(partition)
             self._loaded_seq = seq
+            self.partition_error = None
             self.metrics.partition_loads.labels("ok").inc()
             self.metrics.partition_version.set(partition.version)
+            self.metrics.partition_behind.set(1 if self.partition_behind else 0)
             log.info(
                 "router %s now routes with partition version %d (%d workers)",
                 self.settings.instance_id,
@@ -305,6 +410,11 @@ class RouterService:
                 self.metrics.activity_evictions.labels("ttl").inc(expired)
             for wid in activity.per_worker():
                 self._bound_activity(wid)
+            if activity.refused_shape > self._refused_shape:
+                self.metrics.rejected_inputs.labels("activity_shape").inc(
+                    activity.refused_shape - self._refused_shape
+                )
+                self._refused_shape = activity.refused_shape
             if activity.evicted_capacity > self._evicted_capacity:
                 self.metrics.activity_evictions.labels("capacity").inc(
                     activity.evicted_capacity - self._evicted_capacity
@@ -330,12 +440,15 @@ class RouterService:
 
     def _control_reply(self) -> RouterControlReply:
         partition = self.core.partition
+        latest = self._latest_announcement
         return RouterControlReply(
             router_id=self.settings.instance_id,
             policy=self.core.policy.name,
             params=self.core.policy.params(),
             partition_version=None if partition is None else partition.version,
             live_workers=len(self.table.live_workers(time.monotonic())),
+            announced_version=None if latest is None else latest[1].version,
+            partition_error=self.partition_error if self.partition_behind else None,
         )
 
     # --- the request path ------------------------------------------------------------------
@@ -347,6 +460,14 @@ class RouterService:
         if msg.capture == "unavailable":
             # The prefill could not capture (the gateway said so): route load-only now.
             return None, 0, "no_capture"
+        problem = self.core.geometry_problem(msg.model, msg.num_moe_layers, msg.num_experts)
+        if problem is not None:
+            # Geometry from the configuration, not from the message: nothing of this shape
+            # is allocated (a 329-byte event declaring 256 x 65,536 took every router to
+            # over 1 GiB); the request is decided load-only.
+            self.metrics.rejected_inputs.labels("prefill_geometry").inc()
+            self._log_geometry(msg, problem)
+            return None, 0, "geometry_mismatch"
         if msg.computed is not None:
             computed = msg.computed.to_dense(np.uint32)
             cached = msg.block_hashes[: msg.cached_prefix_blocks]
@@ -429,6 +550,9 @@ class RouterService:
             if existing is not None:
                 await self._answer(msg, existing, already=True)
                 return
+        if expired(msg, time.time()):
+            await self._expire(msg, subject, taken)
+            return
         counts, missing, sig_error = await self.signature_of(msg)
         request = RouteRequest(
             request_id=msg.request_id,
@@ -451,8 +575,13 @@ class RouterService:
                 break
             except NoLiveWorkersError as exc:
                 # Hold the request while a worker may come back (every load report wakes
-                # us), then hand it back to JetStream for a later redelivery.
+                # us), then hand it back to JetStream for a later redelivery; one whose
+                # requester stops waiting meanwhile is recorded as expired.
                 now = time.monotonic()
+                wall = time.time()
+                if expired(msg, wall):
+                    await self._expire(msg, subject, taken)
+                    return
                 remaining = deadline - now
                 if remaining <= 0 or self.ctx.stopping.is_set():
                     self.metrics.no_live_workers.inc()
@@ -460,12 +589,15 @@ class RouterService:
                 if now >= next_progress and delivery.in_progress is not None:
                     await delivery.in_progress()
                     next_progress = now + progress_every_s
+                wait_s = min(remaining, max(0.0, next_progress - now))
+                if msg.deadline_s is not None:
+                    wait_s = min(wait_s, max(0.0, msg.deadline_s - wall) + 0.001)
                 self._report_arrived.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(
-                        self._report_arrived.wait(),
-                        timeout=min(remaining, max(0.0, next_progress - now)),
-                    )
+                    await asyncio.wait_for(self._report_arrived.wait(), timeout=wait_s)
+        if expired(msg, time.time()):
+            await self._expire(msg, subject, taken)
+            return
         decision = Decision(
             request_id=msg.request_id,
             ts_s=time.time(),
@@ -486,13 +618,7 @@ class RouterService:
             fleet=list(outcome.fleet),
             prompt_tokens=msg.n_prompt_tokens,
         )
-        try:
-            await self.bus.js_publish(subject, decision, expected_last_subject_seq=0)
-        except AlreadyExists:
-            existing = await self.bus.get_last(self.decisions_stream, subject, Decision)
-            if existing is None:  # retention dropped it in between: decide again later
-                raise Retry("decision vanished after a conflict", delay_s=0.1) from None
-            await self._answer(msg, existing, already=True)
+        if not await self._commit(msg, subject, decision):
             return
         now = time.monotonic()
         self.table.on_assignment(decision.worker_id, msg.request_id, msg.n_prompt_tokens, now)
@@ -503,6 +629,56 @@ class RouterService:
         self.metrics.decisions.labels(outcome.policy, outcome.fallback or "none").inc()
         self.metrics.decision_seconds.observe(time.perf_counter() - taken)
         await self._answer(msg, decision, already=False)
+
+    async def _commit(self, msg: PrefillDone, subject: str, decision: Decision) -> bool:
+        """Commit `decision` as the request's record (first write wins); False if another
+        was there first (it is answered instead)."""
+        try:
+            await self.bus.js_publish(subject, decision, expected_last_subject_seq=0)
+        except AlreadyExists:
+            existing = await self.bus.get_last(self.decisions_stream, subject, Decision)
+            if existing is None:  # retention dropped it in between: decide again later
+                raise Retry("decision vanished after a conflict", delay_s=0.1) from None
+            await self._answer(msg, existing, already=True)
+            return False
+        return True
+
+    async def _expire(self, msg: PrefillDone, subject: str, taken: float) -> None:
+        """The requester stopped waiting (the event's deadline passed): commit an expired
+        record instead of an assignment. It is the request's one record (exactly once, as
+        any decision); no worker gets the request, no load is counted."""
+        policy = self.core.policy
+        record = Decision(
+            request_id=msg.request_id,
+            ts_s=time.time(),
+            router_id=self.settings.instance_id,
+            model=msg.model,
+            worker_id=NO_WORKER,
+            policy=policy.name,
+            params=policy.params(),
+            partition_version=None,
+            fallback=None,
+            scores=[],
+            band=[],
+            loads=[],
+            signature=None,
+            missing_blocks=0,
+            decide_s=time.perf_counter() - taken,
+            prompt_tokens=msg.n_prompt_tokens,
+            outcome="expired",
+        )
+        if not await self._commit(msg, subject, record):
+            return
+        self.metrics.expired.inc()
+        late_s = record.ts_s - (msg.deadline_s or record.ts_s)
+        log.info(
+            "request %s from %s expired %.3f s before the router could assign it: recorded "
+            "as expired",
+            msg.request_id,
+            msg.prefill_worker,
+            late_s,
+        )
+        await self._answer(msg, record, already=False)
 
     async def _answer(self, msg: PrefillDone, decision: Decision, *, already: bool) -> None:
         if already:

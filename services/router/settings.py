@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Self
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from eldr.core.activity import DEFAULT_MAX_ENTRIES, DEFAULT_TTL_S
+from eldr.core.loadtable import DEFAULT_MAX_WORKERS
 from eldr.core.policies import DEFAULT_POLICY, PAPER_POLICY, POLICY_NAMES
-from eldr.settings import CommonSettings
+from eldr.settings import CommonSettings, GeometrySettings
+from eldr.wire.base import MAX_SCORES, MAX_WORKERS
+from eldr.wire.messages import decision_bytes_bound
 
 
-class RouterSettings(CommonSettings):
+class RouterSettings(CommonSettings, GeometrySettings):
     policy: str = Field(
         default=DEFAULT_POLICY,
         description=f"Routing policy: one of {', '.join(POLICY_NAMES[:-1])} "
@@ -43,6 +46,16 @@ class RouterSettings(CommonSettings):
     load_measure: Literal["requests", "kv_tokens"] = Field(
         default="requests",
         description="Load the policies balance: in-flight requests or KV tokens.",
+    )
+    max_workers: int = Field(
+        default=DEFAULT_MAX_WORKERS,
+        ge=1,
+        le=MAX_WORKERS,
+        description="Decode workers the load table holds at most; reports from further new "
+        "workers are refused and counted (eldr_router_load_reports_total"
+        '{outcome="fleet_full"}) until one leaves. Every decision lists the live workers, '
+        "so with max_signature_cells this bounds a decision's size: together they must fit "
+        "max_payload_bytes (checked at start).",
     )
     stale_after_s: float = Field(
         default=3.0, gt=0, description="A decode worker silent for this long leaves the load table."
@@ -92,3 +105,17 @@ class RouterSettings(CommonSettings):
         default="auto", description="Centroid search: hnswlib, exact, or auto by centroid count."
     )
     seed: int = Field(default=0, description="Seed of the policy's tie-break randomness.")
+
+    @model_validator(mode="after")
+    def _decisions_fit(self) -> Self:
+        # Impossible by construction: no decision this router can make is too large for
+        # the readers (routers, trainer, requesters) to decode.
+        bound = decision_bytes_bound(self.max_workers, self.max_signature_cells, MAX_SCORES)
+        if bound > self.max_payload_bytes:
+            raise ValueError(
+                f"a decision for max_workers={self.max_workers} and max_signature_cells="
+                f"{self.max_signature_cells} can take {bound} bytes, more than "
+                f"max_payload_bytes={self.max_payload_bytes}: lower one of them (or raise "
+                "max_payload_bytes, and NATS' max_payload, everywhere)"
+            )
+        return self

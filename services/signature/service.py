@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from eldr.bus import SIGNATURE_QUEUE, Delivery, Replay, stream_name
+from eldr.bus import SIGNATURE_QUEUE, Delivery, Reject, Replay, stream_name
 from eldr.bus.topology import BLOCKS, IDENTITY
 from eldr.runtime import ServiceContext, service_main
 from eldr.signature_state import (
@@ -58,6 +58,15 @@ ASSEMBLY_SECONDS_BUCKETS = (
     2.5,
 )
 WAIT_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
+
+
+REFUSAL_OF = {
+    RejectReason.GEOMETRY_MISMATCH: "geometry_mismatch",
+    RejectReason.COUNT_OVERFLOW: "inconsistent",
+    RejectReason.INCONSISTENT: "inconsistent",
+    RejectReason.TOO_MANY_MODELS: "over_limit",
+}
+"""The bus refusal reason (`eldr.bus.REFUSAL_REASONS`) of each batch rejection."""
 
 
 class SignatureMetrics:
@@ -191,7 +200,11 @@ class Replica:
     def __init__(self, settings: SignatureSettings, registry: CollectorRegistry) -> None:
         self.settings = settings
         self.registry = registry
-        self.state = SignatureState(settings.cache_max_bytes, max_models=settings.max_models)
+        self.state = SignatureState(
+            settings.cache_max_bytes,
+            max_models=settings.max_models,
+            limits=settings.geometry_limits(),
+        )
         self.metrics = SignatureMetrics(registry)
         self.collector = _StateCollector(self.state, None)
         registry.register(self.collector)
@@ -216,16 +229,14 @@ class Replica:
             metrics.publisher_restarts.inc()
             log.info("blocks from %s: publisher restarted (seq 0)", batch.worker_id)
         if result.rejected is not None:
+            # Counted here by reason; the bus logs it (rate-limited), counts it and
+            # dead-letters it (every replica refuses it alike; the DLQ keeps it once).
             metrics.batches_rejected.labels(result.rejected.value).inc()
-            log.warning(
-                "blocks from %s seq %d (stream seq %s) rejected, %s: %s",
-                batch.worker_id,
-                batch.seq,
-                delivery.stream_seq,
-                result.rejected.value,
-                result.detail,
+            raise Reject(
+                REFUSAL_OF[result.rejected],
+                f"blocks from {batch.worker_id} seq {batch.seq}: {result.rejected.value}: "
+                f"{result.detail}",
             )
-            return
         metrics.blocks_received.inc(result.blocks)
 
     async def on_assemble(self, request: AssembleRequest) -> AssembleReply:

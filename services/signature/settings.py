@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from eldr.settings import CommonSettings
+from eldr.settings import CommonSettings, GeometrySettings
 from eldr.wire.base import MAX_WAIT_MS
 
 
-class SignatureSettings(CommonSettings):
-    """Block-cache budget and assembly limits, on top of the settings every service has."""
+class SignatureSettings(CommonSettings, GeometrySettings):
+    """Block-cache budget and assembly limits, on top of the settings every service has
+    (and the model geometries it accepts, `GeometrySettings`)."""
 
     cache_max_bytes: int = Field(
         default=256 << 20,

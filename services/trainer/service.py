@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from eldr.bus import Delivery, build_topology
+from eldr.bus import Delivery, Reject, build_topology
 from eldr.bus.topology import DECISIONS, FINISHED, IDENTITY, LOAD, PARTITIONS, PROFILES
 from eldr.core.online import DriftBaseline, ShadowResult
 from eldr.core.partition import FitReport
@@ -227,6 +228,8 @@ class TrainerService:
         self.settings = s
         self.topology = build_topology(s.namespace, s)
         self.metrics = TrainerMetrics(ctx.registry)
+        self.limits = s.geometry_limits()
+        self.caps = dataclasses.replace(self.limits, models={}, only_listed=False)
         clock = SystemClock()
         self.database = TrainerDatabase(
             s.database_url,
@@ -245,10 +248,33 @@ class TrainerService:
             TrainerConfig.from_settings(s), self.database, announcer, self.metrics, clock
         )
 
+    def _check_geometry(self, model: str | None, shape: list[int]) -> None:
+        """Refuse counts of a geometry this trainer does not fit (the active version's for
+        its model, else the configured limits), before they enter the window."""
+        n_layers, n_experts = shape
+        active = self.trainer.active
+        if model is not None and active is not None and active.model == model:
+            cal = active.calibration
+            if (n_layers, n_experts) != (cal.num_moe_layers, cal.num_experts):
+                raise Reject(
+                    "geometry_mismatch",
+                    f"{model!r} is {cal.num_moe_layers} x {cal.num_experts} (version "
+                    f"{active.version}), the counts are {n_layers} x {n_experts}",
+                )
+            return
+        # A profile names no model: the caps alone apply to it.
+        limits = self.limits if model is not None else self.caps
+        problem = limits.problem(model or "", n_layers, n_experts)
+        if problem is not None:
+            raise Reject("geometry_mismatch", problem)
+
     async def on_decision(self, msg: Decision, delivery: Delivery) -> None:
+        if msg.signature is not None:
+            self._check_geometry(msg.model, msg.signature.shape)
         self.trainer.add_decision(msg, delivery.timestamp_s)
 
     async def on_profile(self, msg: DecodeProfile, delivery: Delivery) -> None:
+        self._check_geometry(None, msg.counts.shape)
         self.trainer.add_profile(msg, delivery.timestamp_s)
 
     async def on_finished(self, msg: RequestFinished, delivery: Delivery) -> None:

@@ -7,11 +7,11 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import NoDecode
 
-from eldr.settings import CommonSettings
+from eldr.settings import CommonSettings, GeometrySettings
 from eldr.store.settings import StoreSettings
 
 
-class TrainerSettings(CommonSettings, StoreSettings):
+class TrainerSettings(CommonSettings, StoreSettings, GeometrySettings):
     trainer_workers: Annotated[tuple[str, ...], NoDecode] = Field(
         default=(),
         description="Fixed decode-worker ids, comma-separated (ELDR_TRAINER_WORKERS=dw0,dw1). "

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from eldr.bus import Bus, Topology, apply_topology, stream_name
+from eldr.bus import Bus, Delivery, Topology, apply_topology, stream_name
 from eldr.bus.topology import BLOCKS, DLQ
 from eldr.core.blocks import BlockSummary, hash_chain, summarize_blocks
 from eldr.core.synthetic import SyntheticSpec, SyntheticWorld, generate, make_world
@@ -358,12 +358,30 @@ async def test_bad_batches_are_counted_and_the_service_keeps_serving(
         )
         == 1
     )
-    assert replica.metric("eldr_signature_publisher_seq_gaps_total") == 1  # seq 1 was the bad one
-    letter = await bus.get_last(
-        stream_name(namespace, DLQ), bus.subjects.dlq(stream_name(namespace, BLOCKS)), DeadLetter
+    assert (
+        replica.metric(
+            "eldr_bus_messages_rejected_total",
+            {"family": "blocks", "reason": "geometry_mismatch"},
+        )
+        == 1
     )
-    assert letter is not None
-    assert letter.payload == b"\x93not a batch"
+    assert replica.metric("eldr_signature_publisher_seq_gaps_total") == 1  # seq 1 was the bad one
+    # Both are dead-lettered: the malformed bytes, then the refused batch.
+    letters: list[DeadLetter] = []
+
+    async def on_letter(letter: DeadLetter, _: Delivery) -> None:
+        letters.append(letter)
+
+    replay = await bus.replay(
+        stream_name(namespace, DLQ),
+        bus.subjects.dlq(stream_name(namespace, BLOCKS)),
+        DeadLetter,
+        on_letter,
+        stop_at_end=True,
+    )
+    await replay.wait_caught_up(timeout_s=10)
+    assert [letter.payload == b"\x93not a batch" for letter in letters] == [True, False]
+    assert "geometry_mismatch" in letters[1].error
     # The mismatched batch's blocks were not cached.
     mismatched_hashes = [b.block_hash or 0 for b in mismatched]
     reply = await assemble(bus, assemble_request("x", mismatched_hashes, None))

@@ -135,14 +135,36 @@ def test_a_worker_that_leaves_is_forgotten_with_its_requests() -> None:
     assert table.requests_on("a") == 0
 
 
-def test_another_geometry_resets_the_table() -> None:
+def test_a_demand_of_another_geometry_cannot_wipe_the_table() -> None:
+    # One event of a forged geometry used to clear every worker's activity.
     table = ActivityTable()
     table.add("a", "r1", expert_demand(one_hot(1)), 0.0)
-    table.add("a", "r2", expert_demand(np.ones((2, 4))), 0.0)
-    assert table.shape == (2, 4)
+    shape = table.shape
+    assert not table.add("a", "r2", expert_demand(np.ones((2, 4))), 0.0)
+    assert table.refused_shape == 1
+    assert table.shape == shape
+    assert "r1" in table
     assert len(table) == 1
-    assert table.miss_view(["a"]) is not None
     assert ActivityTable().miss_view(["a"]) is None
+
+
+def test_an_empty_table_takes_the_next_geometry() -> None:
+    table = ActivityTable()
+    table.add("a", "r1", expert_demand(one_hot(1)), 0.0)
+    table.finish("r1")
+    assert table.add("a", "r2", expert_demand(np.ones((2, 4))), 0.0)
+    assert table.shape == (2, 4)
+    assert table.miss_view(["a"]) is not None
+
+
+def test_a_fixed_geometry_refuses_others_even_when_empty() -> None:
+    table = ActivityTable()
+    table.set_shape((2, 4))
+    assert not table.add("a", "r1", expert_demand(one_hot(1)), 0.0)
+    assert table.add("a", "r2", expert_demand(np.ones((2, 4))), 0.0)
+    table.set_shape((3, 4))  # a partition of another geometry starts it afresh
+    assert len(table) == 0
+    assert table.shape == (3, 4)
 
 
 def test_evict_over_drops_a_workers_oldest_entries_first() -> None:

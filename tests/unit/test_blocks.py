@@ -17,6 +17,7 @@ from eldr.core.blocks import (
     DEFAULT_BLOCK_SIZE,
     BlockSummary,
     block_hash,
+    block_top_k,
     from_sparse,
     hash_chain,
     stand_in_token_ids,
@@ -323,3 +324,31 @@ def test_trace_token_ids_prefers_real_ids() -> None:
     bare = RequestTrace("r", "x", prefill, decode)
     assert trace_token_ids(real).tolist() == [7, 8, 9]
     assert np.array_equal(trace_token_ids(bare), stand_in_token_ids("r", 3))
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 40), st.integers(0, 2**31))
+def test_every_summarised_block_is_consistent(top_k: int, n_tokens: int, seed: int) -> None:
+    # What the signature service's consistency check accepts: every real block.
+    rng = np.random.default_rng(seed)
+    layers, experts = 3, 8
+    prefill = np.stack(
+        [
+            np.stack([rng.choice(experts, top_k, replace=False) for _ in range(layers)])
+            for _ in range(n_tokens)
+        ]
+    ).astype(np.int16)
+    full, partial = summarize_blocks(np.arange(n_tokens), prefill, 4, experts)
+    for block in [*full, *([partial] if partial is not None else [])]:
+        idx, val = to_sparse(block.counts)
+        assert block_top_k(idx, val, layers, experts, block.n_tokens) == (top_k, "")
+
+
+def test_block_top_k_names_what_is_wrong() -> None:
+    idx, val = np.array([0, 8], dtype=np.uint32), np.array([4, 3], dtype=np.uint16)
+    top_k, why = block_top_k(idx, val, 2, 8, 4)
+    assert top_k is None
+    assert "layer totals differ (3 to 4)" in why
+    assert block_top_k(idx, np.array([5, 5], dtype=np.uint16), 2, 8, 4)[1].startswith(
+        "a cell counts 5"
+    )

@@ -149,3 +149,18 @@ def test_finished_ids_are_remembered_for_the_pending_ttl_only() -> None:
     t.on_report(report("a", 2), now_s=11.0)
     t.expire(now_s=11.5)
     assert not t.was_finished("r1")
+
+
+def test_the_table_holds_at_most_max_workers() -> None:
+    t = LoadTable(stale_after_s=1.0, max_workers=2)
+    assert t.on_report(report("a", 1), now_s=0.0)
+    assert t.on_report(report("b", 1), now_s=0.0)
+    assert not t.admits("c")
+    assert not t.on_report(report("c", 1), now_s=0.0)
+    assert t.refused_workers == 1
+    assert t.live_workers(0.0) == ("a", "b")
+    assert t.on_report(report("a", 2, running=3), now_s=0.5)  # a known worker still reports
+    t.on_report(report("a", 3), now_s=1.2)
+    t.expire(now_s=1.6)  # b went stale: its place is free
+    assert t.on_report(report("c", 1), now_s=1.6)
+    assert t.live_workers(1.6) == ("a", "c")

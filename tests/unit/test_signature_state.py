@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from eldr.core.blocks import summarize_blocks
+from eldr.core.limits import GeometryLimits
 from eldr.core.synthetic import SyntheticSpec, generate
 from eldr.core.trace import expert_counts
 from eldr.signature_state import (
@@ -47,11 +48,12 @@ def batch(
         num_experts=shape[1],
         block_size=4,
         blocks=[
+            # `value` tokens, top-1, all routed to expert 0: a consistent block.
             BlockSummaryMsg(
                 block_hash=h,
                 parent_hash=None,
-                n_tokens=4,
-                counts=counts({(0, 0): value}, shape),
+                n_tokens=min(value, 4),
+                counts=counts({(layer, 0): value for layer in range(shape[0])}, shape),
             )
             for h in hashes
         ],
@@ -244,7 +246,7 @@ def test_missing_blocks_make_a_partial_assembly() -> None:
     assert result.reply.missing == [99, 98]
     assert (result.reply.blocks_found, result.reply.blocks_total, result.missing) == (2, 4, 2)
     assert result.reply.counts is not None
-    assert int(result.reply.counts.to_numpy().sum()) == 2
+    assert int(result.reply.counts.to_numpy().sum()) == 2 * L  # one token per layer each
 
 
 def test_no_block_found_is_empty_but_keeps_the_partial() -> None:
@@ -305,3 +307,102 @@ def test_missing_keys_ignores_cached_blocks() -> None:
 def test_invalid_limits_are_refused() -> None:
     with pytest.raises(ValueError, match="max_models"):
         SignatureState(1 << 20, max_models=0)
+
+
+# --- what no real block has (issue 15, findings 3 and 7) ----------------------------------
+
+
+def _one_block(
+    cells: np.ndarray, n_tokens: int, shape: tuple[int, int] = (L, E)
+) -> BlockSummaryBatch:
+    return BlockSummaryBatch(
+        worker_id="p0",
+        seq=0,
+        ts_s=1.0,
+        model="m",
+        num_moe_layers=shape[0],
+        num_experts=shape[1],
+        block_size=16,
+        blocks=[
+            BlockSummaryMsg(
+                block_hash=1,
+                parent_hash=None,
+                n_tokens=n_tokens,
+                counts=SparseCounts.from_dense(cells.astype(np.uint32)),
+            )
+        ],
+    )
+
+
+def test_an_absurd_summary_is_refused() -> None:
+    # Every cell 65,535 for a 16-token block: it fits uint16, nothing else.
+    state = SignatureState(1 << 20)
+    result = state.ingest(_one_block(np.full((L, E), 65_535), 16))
+    assert result.rejected is RejectReason.INCONSISTENT
+    assert "a cell counts 65535 of a 16-token block" in result.detail
+    assert len(state.cache) == 0
+    assert "m" not in state.geometries  # and it fixed nothing
+
+
+@pytest.mark.parametrize(
+    ("case", "why"),
+    [
+        ("layers_differ", "layer totals differ"),
+        ("not_a_multiple", "not a positive multiple"),
+        ("empty", "not a positive multiple"),
+    ],
+)
+def test_counts_no_real_block_can_have_are_refused(case: str, why: str) -> None:
+    cells = np.zeros((L, E))
+    cells[:, 0] = 4  # 4 tokens, top-1: consistent
+    if case == "layers_differ":
+        cells[1, 1] = 4
+    elif case == "not_a_multiple":
+        cells[:, 1] = 1
+    else:
+        cells[:] = 0
+    result = SignatureState(1 << 20).ingest(_one_block(cells, 4))
+    assert result.rejected is RejectReason.INCONSISTENT
+    assert why in result.detail
+
+
+def test_a_consistent_top_2_block_is_cached() -> None:
+    cells = np.zeros((L, E))
+    cells[:, 0] = 3
+    cells[:, 1] = 2
+    cells[:, 2] = 1  # 3 tokens x 2 distinct experts each, in every layer
+    state = SignatureState(1 << 20)
+    assert state.ingest(_one_block(cells, 3)).rejected is None
+    assert ("m", 1) in state.cache
+
+
+def test_a_geometry_beyond_the_configured_limits_is_refused_before_it_sticks() -> None:
+    limits = GeometryLimits(max_moe_layers=8, max_experts=64, max_cells=256)
+    state = SignatureState(1 << 20, limits=limits)
+    big = np.zeros((16, 64))
+    big[:, 0] = 1
+    result = state.ingest(_one_block(big, 1, shape=(16, 64)))
+    assert result.rejected is RejectReason.GEOMETRY_MISMATCH
+    assert "16 MoE layers, more than the 8 configured" in result.detail
+    assert "m" not in state.geometries
+    assert state.ingest(batch([2])).rejected is None  # the real geometry is still free
+
+
+def test_a_configured_model_geometry_wins_over_the_first_batch() -> None:
+    state = SignatureState(1 << 20, limits=GeometryLimits(models={"m": (L, E)}))
+    forged = np.zeros((2, 2))
+    forged[:, 0] = 1
+    assert state.ingest(_one_block(forged, 1, shape=(2, 2))).rejected is (
+        RejectReason.GEOMETRY_MISMATCH
+    )
+    assert state.ingest(batch([3])).rejected is None
+    assert state.geometries["m"] == (L, E)
+
+
+def test_an_assembly_of_an_unknown_model_with_a_huge_partial_is_refused() -> None:
+    state = SignatureState(1 << 20, limits=GeometryLimits(max_cells=1024))
+    partial = counts({(0, 0): 1}, shape=(64, 1024))
+    result = state.assemble(request([1], partial, model="unknown"))
+    assert result.outcome is Outcome.ERROR
+    assert result.reply.counts is None
+    assert "cells, more than the 1024 configured" in (result.reply.error or "")

@@ -104,6 +104,7 @@ def canonical_messages() -> dict[type[Message], Message]:
             cached_prefix_blocks=1,
             computed=_counts(scale=3),
             capture="inexact",
+            deadline_s=1_700_000_000.75,
         ),
         AssembleRequest: AssembleRequest(
             request_id="req-1",
@@ -139,6 +140,7 @@ def canonical_messages() -> dict[type[Message], Message]:
             rng_seed=2**63 - 1,
             fleet=[("decode-1", 5, 1200), ("decode-3", 2, 800)],
             prompt_tokens=40,
+            outcome="assigned",
         ),
         LoadReport: LoadReport(
             worker_id="decode-3",
@@ -193,6 +195,8 @@ def canonical_messages() -> dict[type[Message], Message]:
             params={"tau": 0.2},
             partition_version=4,
             live_workers=16,
+            announced_version=5,
+            partition_error="version 5: object v5 not found",
         ),
         RefitRequest: RefitRequest(reason="manual", k=16),
         RefitReply: RefitReply(version=5, status="ok", message="fitted 1000 signatures"),
@@ -797,3 +801,69 @@ def test_mutated_messages_raise_only_wire_errors(message: Message, data: st.Data
 
 if __name__ == "__main__":
     write_golden()
+
+
+# --- decisions every reader can decode (issue 15, finding 2) -----------------------------
+
+
+def test_a_decision_naming_more_workers_than_readers_accept_cannot_be_built() -> None:
+    fleet = [(f"w{i}", 0, 0) for i in range(4097)]
+    with pytest.raises(WireError, match="at most 4096 workers"):
+        msgspec.structs.replace(canonical_messages()[Decision], fleet=fleet)
+
+
+def test_the_decision_size_bound_holds_for_the_largest_decision() -> None:
+    from eldr.core.policies import POLICY_NAMES, PolicySpec, make_policy
+    from eldr.core.router import FALLBACK_REASONS
+    from eldr.wire.messages import decision_bytes_bound
+
+    workers, cells = 1024, 16_384
+    tokens = [f"{i:04d}".ljust(256, "w") for i in range(workers)]
+    params = max((make_policy(PolicySpec(name=n)).params() for n in POLICY_NAMES), key=len)
+    dense = np.full((16, cells // 16), 70_000, dtype=np.uint32)  # every cell, uint32
+    big = Decision(
+        request_id="\U0001f600" * 256,  # 4 bytes per character in UTF-8
+        ts_s=1e9,
+        router_id="\U0001f600" * 256,
+        model="\U0001f600" * 256,
+        worker_id=tokens[0],
+        policy="\U0001f600" * 256,
+        params=params,
+        partition_version=2**62,
+        fallback=max(FALLBACK_REASONS, key=len),
+        scores=[(t, -1.234567e-29) for t in tokens[:64]],
+        band=tokens,
+        loads=[(t, 1.5e29) for t in tokens],
+        signature=SparseCounts.from_dense(dense),
+        missing_blocks=2**63,
+        decide_s=0.123456789,
+        rng_seed=2**63 - 1,
+        fleet=[(t, 2**63, 2**64 - 1) for t in tokens],
+        prompt_tokens=2**64 - 1,
+    )
+    size = len(encode(big))
+    assert size <= decision_bytes_bound(workers, cells, 64)
+    assert decision_bytes_bound(workers, cells, 64) <= 1 << 20  # the router's defaults fit
+    assert decode(encode(big), Decision) == big
+
+
+def test_an_expired_decision_names_no_worker() -> None:
+    from eldr.wire.messages import NO_WORKER
+
+    expired = msgspec.structs.replace(
+        canonical_messages()[Decision],
+        outcome="expired",
+        worker_id=NO_WORKER,
+        fleet=[],
+        loads=[],
+        band=[],
+        scores=[],
+    )
+    assert not expired.assigned
+    assert decode(encode(expired), Decision) == expired
+    with pytest.raises(WireError, match="names no worker"):
+        msgspec.structs.replace(expired, worker_id="decode-3")
+    with pytest.raises(WireError, match="an assigned decision names a worker"):
+        msgspec.structs.replace(canonical_messages()[Decision], worker_id=NO_WORKER)
+    old = decode((GOLDEN_DIR / "decision.v1.msgpack").read_bytes(), Decision)
+    assert old.assigned  # records written before outcomes existed are assignments

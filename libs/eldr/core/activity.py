@@ -191,10 +191,13 @@ at the very worst; the per-worker in-flight cap keeps it far below in practice).
 class ActivityTable:
     """Per decode worker, the summed miss log-mass of its in-flight requests.
 
-    One model geometry at a time: a demand of another geometry clears the table (a
-    router serves one model; a partition of another model resets it anyway). Times are
-    seconds passed in by the caller. At most `max_entries` requests are held (the oldest
-    are evicted beyond); `evict_over` caps one worker's entries.
+    One model geometry at a time. `set_shape` (the router, when a partition of another
+    geometry becomes active) fixes it and clears what is held; without it the first demand
+    fixes it, and a demand of another geometry is refused (`add` returns False and counts
+    `refused_shape`) unless the table is empty: one event of a forged geometry cannot
+    wipe out what every other request put there. Times are seconds passed in by the
+    caller. At most `max_entries` requests are held (the oldest are evicted beyond);
+    `evict_over` caps one worker's entries.
     """
 
     def __init__(
@@ -208,8 +211,11 @@ class ActivityTable:
         self.max_entries = max_entries
         self.evicted_capacity = 0
         """Entries evicted because the table was full (cumulative)."""
+        self.refused_shape = 0
+        """Demands refused because their geometry is not the table's (cumulative)."""
         self._entry_bytes = 0
         self._shape: tuple[int, int] | None = None
+        self._shape_fixed = False
         self._workers: dict[str, _WorkerActivity] = {}
         # Insertion order is assignment order (nearly time order): expiry pops the front.
         self._entries: OrderedDict[str, tuple[str, float, ExpertDemand]] = OrderedDict()
@@ -248,13 +254,25 @@ class ActivityTable:
         memory grows with; Python object overhead not included)."""
         return self._entry_bytes + sum(s.nbytes for s in self._workers.values())
 
+    def set_shape(self, shape: tuple[int, int] | None) -> None:
+        """Fix the geometry demands must have (None: the first demand fixes it); a change
+        clears the table."""
+        if shape != self._shape:
+            self.clear()
+        self._shape = shape
+        self._shape_fixed = shape is not None
+
     def add(self, worker_id: str, request_id: str, demand: ExpertDemand, now_s: float) -> bool:
-        """Count a request against its worker; False if it is already counted. Beyond
-        `max_entries` the oldest entry is evicted (`evicted_capacity`)."""
+        """Count a request against its worker; False if it is already counted or of
+        another geometry than the table's (`refused_shape`). Beyond `max_entries` the
+        oldest entry is evicted (`evicted_capacity`)."""
         if request_id in self._entries:
             return False
         shape = (demand.num_moe_layers, demand.num_experts)
         if self._shape != shape:
+            if self._shape_fixed or self._entries:
+                self.refused_shape += 1
+                return False
             self.clear()
             self._shape = shape
         state = self._workers.get(worker_id)
@@ -341,10 +359,12 @@ class ActivityTable:
         return expired
 
     def clear(self) -> None:
+        """Forget every entry (and the geometry, unless `set_shape` fixed it)."""
         self._entries.clear()
         self._workers.clear()
         self._entry_bytes = 0
-        self._shape = None
+        if not self._shape_fixed:
+            self._shape = None
         self._view = None
         self._view_workers = ()
         self._view_rows = []

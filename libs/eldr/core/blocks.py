@@ -183,6 +183,39 @@ def summarize_blocks(
     return full, partial
 
 
+def block_top_k(
+    idx: np.ndarray, val: np.ndarray, n_layers: int, n_experts: int, n_tokens: int
+) -> tuple[int | None, str]:
+    """The top-k a block's sparse counts imply, or (None, why no real block has them).
+
+    Every token of a block routes to exactly top_k distinct experts in every MoE layer, so
+    a real block's counts sum to n_tokens x top_k in each layer (the same total in every
+    layer, a multiple of n_tokens, at most n_experts per token) and no cell exceeds
+    n_tokens. idx: flat indices (l * E + e) into [n_layers, n_experts]; val: their counts.
+    """
+    if n_tokens < 1:
+        return None, f"{n_tokens} tokens"
+    if val.size and int(val.max()) > n_tokens:
+        return None, f"a cell counts {int(val.max())} of a {n_tokens}-token block"
+    per_layer = np.bincount(
+        np.asarray(idx, dtype=np.int64) // n_experts,
+        weights=np.asarray(val, dtype=np.float64),
+        minlength=n_layers,
+    )
+    total = int(per_layer[0])
+    if not bool(np.all(per_layer == total)):
+        return None, (
+            f"layer totals differ ({int(per_layer.min())} to {int(per_layer.max())}); every "
+            "layer routes each token the same number of times"
+        )
+    if total == 0 or total % n_tokens:
+        return None, f"layer total {total} is not a positive multiple of {n_tokens} tokens"
+    top_k = total // n_tokens
+    if top_k > n_experts:
+        return None, f"top-{top_k} of {n_experts} experts"
+    return top_k, ""
+
+
 def sum_summaries(
     summaries: Iterable[BlockSummary | np.ndarray], shape: tuple[int, int] | None = None
 ) -> np.ndarray:

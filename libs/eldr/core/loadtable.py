@@ -19,6 +19,11 @@ the request ended (or moved to another worker) before any report admitted it, an
 remembered for a while so that a decision seen after its own finish (another replica's,
 arriving late) is not counted.
 
+The table holds at most `max_workers` workers: a report from a new worker beyond that is
+refused (`admits` says so first, `refused_workers` counts), so that a flood of forged or
+misconfigured workers can neither grow the router's memory nor make decisions (which list
+every live worker) too large for their readers. A worker that goes stale frees its place.
+
 Times are monotonic seconds passed in by the caller (no clock reads here).
 """
 
@@ -88,12 +93,26 @@ class Report:
     draining: bool = False
 
 
+DEFAULT_MAX_WORKERS = 1024
+"""Default fleet size bound (the wire allows 4,096 workers per decision)."""
+
+
 class LoadTable:
-    def __init__(self, stale_after_s: float = 3.0, pending_ttl_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        stale_after_s: float = 3.0,
+        pending_ttl_s: float = 10.0,
+        max_workers: int = DEFAULT_MAX_WORKERS,
+    ) -> None:
         if stale_after_s <= 0 or pending_ttl_s <= 0:
             raise ValueError("stale_after_s and pending_ttl_s must be positive")
+        if max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1, got {max_workers}")
         self.stale_after_s = stale_after_s
         self.pending_ttl_s = pending_ttl_s
+        self.max_workers = max_workers
+        self.refused_workers = 0
+        """Reports refused because they would have added a worker beyond `max_workers`."""
         self._workers: dict[str, WorkerState] = {}
         self._pending_on: dict[str, str] = {}
         """request id -> the worker it is pending on."""
@@ -109,12 +128,21 @@ class LoadTable:
     def get(self, worker_id: str) -> WorkerState | None:
         return self._workers.get(worker_id)
 
+    def admits(self, worker_id: str) -> bool:
+        """Whether a report from `worker_id` would be taken: it is in the table, or the
+        table has room for one more worker."""
+        return worker_id in self._workers or len(self._workers) < self.max_workers
+
     def on_report(self, report: Report, now_s: float) -> bool:
-        """Apply a load report; returns False for a stale (out-of-order) one.
+        """Apply a load report; returns False for a stale (out-of-order) one, and for a
+        new worker when the table is full (counted in `refused_workers`).
 
         A new incarnation (the worker restarted) replaces the old state: whatever was
         pending on the old process is gone with it.
         """
+        if not self.admits(report.worker_id):
+            self.refused_workers += 1
+            return False
         state = self._workers.get(report.worker_id)
         if (
             state is not None

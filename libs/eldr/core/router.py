@@ -45,6 +45,7 @@ from eldr.core.activity import (
     estimate_top_k,
     expert_demand,
 )
+from eldr.core.limits import GeometryLimits
 from eldr.core.loadtable import LoadTable
 from eldr.core.partition import Partition
 from eldr.core.policies import (
@@ -297,9 +298,12 @@ class RouterCore:
         activity_ttl_s: float = DEFAULT_TTL_S,
         activity_slack: int = 4,
         activity_max_entries: int = DEFAULT_MAX_ENTRIES,
+        limits: GeometryLimits | None = None,
     ) -> None:
         if activity_slack < 0:
             raise ValueError(f"activity_slack must be >= 0, got {activity_slack}")
+        self.limits = limits or GeometryLimits()
+        """The geometries this router accepts counts of (beyond its partition's)."""
         self.table = table
         self.rng = rng
         self.max_scores = max_scores
@@ -324,7 +328,27 @@ class RouterCore:
         self.policy = policy
 
     def set_partition(self, partition: Partition | None) -> None:
+        """Route with `partition` from now on; the activity table takes its geometry (a
+        partition of another geometry starts it afresh)."""
         self.partition = partition
+        if partition is not None:
+            cal = partition.calibration
+            self.activity.set_shape((cal.num_moe_layers, cal.num_experts))
+
+    def geometry_problem(self, model: str, n_layers: int, n_experts: int) -> str | None:
+        """Why counts of `model` shaped `n_layers` x `n_experts` are not this router's to
+        use, or None: the active partition's geometry for its model, else `limits`."""
+        partition = self.partition
+        if partition is not None and partition.model == model:
+            cal = partition.calibration
+            if (n_layers, n_experts) != (cal.num_moe_layers, cal.num_experts):
+                return (
+                    f"partition version {partition.version} of {model!r} is "
+                    f"{cal.num_moe_layers} x {cal.num_experts}, the message says "
+                    f"{n_layers} x {n_experts}"
+                )
+            return None
+        return self.limits.problem(model, n_layers, n_experts)
 
     @property
     def load_measure(self) -> LoadMeasure:

@@ -91,6 +91,9 @@ class RequestCapture:
     """Monotonic time the request was first scheduled."""
     reply_to: str | None = None
     max_tokens: int | None = None
+    decision_budget_s: float | None = None
+    """How long the requester waits for the decision after the prefill (the gateway's
+    budget, from `vllm_xargs`): the event's deadline is its publish time plus this."""
     attrs: dict[str, str] = field(default_factory=dict)
     rows: np.ndarray = field(init=False, repr=False)
     """int16 [n_prompt - first_row, L, k]: expert ids of the tokens from `first_row` on."""
@@ -310,13 +313,15 @@ def unavailable_prefill_done(
     geometry: tuple[int, int] | None,
     problem: str,
     wall_s: float,
+    decision_budget_s: float | None = None,
 ) -> PrefillDone:
     """A PrefillDone for a prompt whose routing could not be captured: no block hashes,
     no counts, `capture = "unavailable"`, so a router decides load-only at once (recorded
     and counted like any decision) instead of the requester waiting for one that cannot
     come. `geometry` (MoE layers, experts), if known, is informational: nothing reads it
     without counts. Published by the capture plugin for a request it cannot capture, and
-    by the gateway for a prefill instance whose plugin says it cannot (or says nothing)."""
+    by the gateway for a prefill instance whose plugin says it cannot (or says nothing).
+    With `decision_budget_s` the event's deadline is `wall_s` plus it."""
     layers, experts = geometry or (1, 1)
     return PrefillDone(
         request_id=request_id[:MAX_ID_LEN],
@@ -333,7 +338,20 @@ def unavailable_prefill_done(
         max_tokens=max_tokens,
         attrs={"eldr_capture": problem[:64]},
         capture="unavailable",
+        deadline_s=deadline_of(wall_s, decision_budget_s),
     )
+
+
+MAX_DECISION_BUDGET_S = 3600.0
+"""Longest decision budget an event may carry (a budget from `vllm_xargs` is clamped)."""
+
+
+def deadline_of(wall_s: float, decision_budget_s: float | None) -> float | None:
+    """The deadline of an event published at `wall_s` whose requester waits
+    `decision_budget_s` for the decision (clamped to [0, MAX_DECISION_BUDGET_S])."""
+    if decision_budget_s is None:
+        return None
+    return wall_s + min(max(float(decision_budget_s), 0.0), MAX_DECISION_BUDGET_S)
 
 
 def _cached_blocks(num_computed_tokens: int, n_prompt: int, block_size: int) -> int:
@@ -368,6 +386,7 @@ class CaptureState:
         reply_to: str | None = None,
         max_tokens: int | None = None,
         attrs: dict[str, str] | None = None,
+        decision_budget_s: float | None = None,
     ) -> RequestCapture | None:
         """Start tracking a request the engine scheduled for the first time.
 
@@ -397,6 +416,7 @@ class CaptureState:
             start_s=now_s,
             reply_to=reply_to,
             max_tokens=max_tokens,
+            decision_budget_s=decision_budget_s,
             attrs=dict(list(capture_attrs.items())[:MAX_ATTRS]),
             block_size=bs,
             geometry=self.config.geometry,
@@ -425,6 +445,7 @@ class CaptureState:
             geometry=(g.num_moe_layers, g.num_experts),
             problem=problem,
             wall_s=wall_s,
+            decision_budget_s=capture.decision_budget_s,
         )
 
     def fail_all(self, problem: str, wall_s: float) -> list[PrefillDone]:
@@ -503,5 +524,6 @@ class CaptureState:
             "max_tokens": capture.max_tokens,
             "attrs": capture.attrs,
             "cached_prefix_blocks": capture.cached_blocks,
+            "deadline_s": deadline_of(wall_s, capture.decision_budget_s),
         }
         return PendingDone(fields, capture.computed_total + tail, partial)

@@ -75,16 +75,19 @@ class DecisionWaiters:
     ) -> tuple[Decision, DecisionSource]:
         """The decision for `request_id` and where it came from: the inbox within
         `timeout_s`, else `read_late` (the DECISIONS stream; the reply may have been
-        lost). Raises LookupError when there is none."""
+        lost). Raises LookupError when there is none, or only an expired record (the
+        router took the event after its deadline and assigned no worker)."""
         with contextlib.suppress(TimeoutError):
             decision = await asyncio.wait_for(asyncio.shield(waiter), timeout=timeout_s)
+            if not decision.assigned:
+                raise LookupError(f"the decision of {request_id} expired")
             return decision, "inbox"
         try:
             late = await read_late(request_id)
         except BusError as exc:
             log.warning("decision of %s: stream read failed: %s", request_id, exc)
             late = None
-        if late is None:
+        if late is None or not late.assigned:
             raise LookupError(f"no decision for {request_id}")
         return late, "stream"
 

@@ -28,6 +28,9 @@ from eldr.wire import Decision
 XARG_REQUEST_ID = "eldr_request_id"
 XARG_REPLY_TO = "eldr_reply_to"
 XARG_MAX_TOKENS = "eldr_max_tokens"
+XARG_DECISION_BUDGET = "eldr_decision_budget_s"
+"""How long the gateway waits for the decision after the prefill answered: the capture
+plugin turns it into the PrefillDone's deadline."""
 REQUEST_ID_HEADER = "X-Request-Id"
 DECODE_WORKER_HEADER = "X-Eldr-Decode-Worker"
 """Response header naming the decode instance that answered."""
@@ -113,9 +116,15 @@ def max_tokens_of(body: Mapping[str, Any]) -> int | None:
     return None
 
 
-def prefill_body(body: Mapping[str, Any], request_id: str, reply_to: str) -> dict[str, Any]:
+def prefill_body(
+    body: Mapping[str, Any],
+    request_id: str,
+    reply_to: str,
+    decision_budget_s: float | None = None,
+) -> dict[str, Any]:
     """The request for the prefill instance: one token, no streaming, KV kept for a remote
-    decode, and the ids the capture plugin publishes the PrefillDone under."""
+    decode, the ids the capture plugin publishes the PrefillDone under and how long the
+    gateway will wait for the decision (the event's deadline)."""
     out = copy.deepcopy(dict(body))
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:
@@ -129,6 +138,10 @@ def prefill_body(body: Mapping[str, Any], request_id: str, reply_to: str) -> dic
     budget = max_tokens_of(body)
     if budget is not None:
         xargs[XARG_MAX_TOKENS] = budget
+    if decision_budget_s is not None:
+        xargs[XARG_DECISION_BUDGET] = float(decision_budget_s)
+    else:
+        xargs.pop(XARG_DECISION_BUDGET, None)  # only the gateway sets it
     out["vllm_xargs"] = xargs
     return out
 

@@ -88,6 +88,9 @@ MAX_HOOK_ERRORS = 10
 XARG_REQUEST_ID = "eldr_request_id"
 XARG_REPLY_TO = "eldr_reply_to"
 XARG_MAX_TOKENS = "eldr_max_tokens"
+XARG_DECISION_BUDGET = "eldr_decision_budget_s"
+"""The gateway's decision budget (seconds): the PrefillDone's deadline is its publish time
+plus this (`eldr.vllm.pd.XARG_DECISION_BUDGET`)."""
 _PATCHED = "_eldr_capture_patched"
 _ENGINE_ID = re.compile(r"^(?:chatcmpl-|cmpl-)?(?P<base>.+?)(?:-\d+)?-[0-9a-f]{8}$")
 V1_RUNNERS = (
@@ -411,8 +414,14 @@ class CaptureHook:
         max_tokens = xargs.get(XARG_MAX_TOKENS)
         reply = str(reply_to) if reply_to else None
         budget = int(max_tokens) if isinstance(max_tokens, int) else None
+        wait = xargs.get(XARG_DECISION_BUDGET)
+        decision_budget_s = (
+            float(wait) if isinstance(wait, int | float) and not isinstance(wait, bool) else None
+        )
         if self.prefill is None or self.states.prefill != "ok":
-            unavailable.append(self._unavailable(request_id, n_prompt, reply, budget))
+            unavailable.append(
+                self._unavailable(request_id, n_prompt, reply, budget, decision_budget_s)
+            )
             return
         self.prefill.add_request(
             new.req_id,
@@ -422,10 +431,16 @@ class CaptureHook:
             request_id=request_id,
             reply_to=reply,
             max_tokens=budget,
+            decision_budget_s=decision_budget_s,
         )
 
     def _unavailable(
-        self, request_id: str, n_prompt: int, reply_to: str | None, max_tokens: int | None
+        self,
+        request_id: str,
+        n_prompt: int,
+        reply_to: str | None,
+        max_tokens: int | None,
+        decision_budget_s: float | None = None,
     ) -> PrefillDone:
         g = self.states.geometry
         return unavailable_prefill_done(
@@ -439,6 +454,7 @@ class CaptureHook:
             geometry=None if g is None else (g.num_moe_layers, g.num_experts),
             problem="capture_failed",
             wall_s=time.time(),
+            decision_budget_s=decision_budget_s,
         )
 
     def end(self, runner: Any, scheduler_output: Any) -> None:

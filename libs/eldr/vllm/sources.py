@@ -136,6 +136,7 @@ class ResponseSource:
         max_tokens: int | None = None,
         prompt_start: int = 0,
         prefill_s: float = 0.0,
+        decision_budget_s: float | None = None,
     ) -> StepResult:
         """`prompt_start`: the request's `routed_experts_prompt_start` (rows before it
         were not returned; their blocks must come from the signature cache)."""
@@ -162,6 +163,7 @@ class ResponseSource:
             request_id=request_id,
             reply_to=reply_to,
             max_tokens=max_tokens,
+            decision_budget_s=decision_budget_s,
         )
         if capture is None:
             raise SourceError("nothing of the prompt was routed in this prefill")

@@ -8,6 +8,7 @@ from eldr.wire.base import Message, WireError
 from eldr.wire.codec import DEFAULT_MAX_BYTES, KIND_OF, SUPPORTED_VERSIONS, decode, encode
 from eldr.wire.messages import (
     ALL_MESSAGE_TYPES,
+    NO_WORKER,
     AssembleReply,
     AssembleRequest,
     BlockSummaryBatch,
@@ -36,6 +37,7 @@ __all__ = [
     "ALL_MESSAGE_TYPES",
     "DEFAULT_MAX_BYTES",
     "KIND_OF",
+    "NO_WORKER",
     "SUPPORTED_VERSIONS",
     "AssembleReply",
     "AssembleRequest",

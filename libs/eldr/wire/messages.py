@@ -58,6 +58,12 @@ FinishReason = Literal["stop", "length", "abort", "error", "moved"]
 """Why a request left a decode worker (`RequestFinished`): the decode finished ("stop",
 "length"), the client went away ("abort"), the decode failed ("error"), or the request was
 sent to another worker before it started ("moved")."""
+DecisionOutcome = Literal["assigned", "expired"]
+"""What a `Decision` record says: "assigned" (the request goes to `worker_id`) or
+"expired" (the router saw the event after its `deadline_s`: the requester had given up
+waiting, so no worker was assigned and no load counted; `worker_id` is `NO_WORKER`)."""
+NO_WORKER = "-"
+"""`Decision.worker_id` of an expired record; never a decode worker's id."""
 CaptureState = Literal["ok", "off", "failed"]
 """What a capture plugin can do for one role: "ok", "off" (not configured for it),
 "failed" (configured but cannot capture; `CaptureStatus.reason` says why)."""
@@ -163,7 +169,12 @@ class PrefillDone(Message, frozen=True, kw_only=True, tag="prefill_done"):
     """Whether the producer captured the prompt's routing (`CaptureOutcome`). With
     "unavailable" (a prefill instance whose capture is off or failed, reported by the
     gateway) the event carries no block hashes and no counts."""
-    v: Version = 2
+    deadline_s: TimestampS | None = None
+    """Unix seconds after which the requester no longer waits for the decision (it falls
+    back to its own choice): the producer's clock at publish plus the requester's decision
+    budget. A router that takes the event later records an "expired" decision instead of
+    assigning a worker. None: no deadline. v3."""
+    v: Version = 3
 
     def __post_init__(self) -> None:
         require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
@@ -232,7 +243,7 @@ class AssembleReply(Message, frozen=True, tag="assemble_reply"):
 # --- routing ------------------------------------------------------------------------------
 
 
-class Decision(Message, frozen=True, tag="decision"):
+class Decision(Message, frozen=True, kw_only=True, tag="decision"):
     """Where a request goes, and why.
 
     Published on `{ns}.decisions.{rid}` (stream DECISIONS) with expected last subject
@@ -277,6 +288,58 @@ class Decision(Message, frozen=True, tag="decision"):
     both, so a replay can switch the load measure. Empty in older records."""
     prompt_tokens: Count | None = None
     """Prompt tokens of the request (what an assignment adds to a worker's KV load)."""
+    outcome: DecisionOutcome = "assigned"
+    """"assigned", or "expired": decided after the event's deadline, no worker assigned
+    (`worker_id` is `NO_WORKER`, no loads, scores or band; readers count nothing against
+    any worker). v2."""
+    v: Version = 2
+
+    @property
+    def assigned(self) -> bool:
+        """Whether the record sends the request to `worker_id` (not an expired one)."""
+        return self.outcome == "assigned"
+
+    def __post_init__(self) -> None:
+        if self.outcome == "expired":
+            require(
+                self.worker_id == NO_WORKER and not (self.fleet or self.loads or self.band),
+                f"an expired decision names no worker ({NO_WORKER!r}) and no fleet",
+            )
+        else:
+            require(
+                self.worker_id != NO_WORKER,
+                f"an assigned decision names a worker, not {NO_WORKER!r}",
+            )
+        # Also on construction (the Meta limits run on decode only): a router cannot build,
+        # and so cannot commit, a decision that its readers would refuse.
+        require(
+            len(self.fleet) <= MAX_WORKERS
+            and len(self.loads) <= MAX_WORKERS
+            and len(self.band) <= MAX_WORKERS,
+            f"a decision names at most {MAX_WORKERS} workers, this one {len(self.fleet)} "
+            f"(fleet), {len(self.loads)} (loads), {len(self.band)} (band)",
+        )
+        require(
+            len(self.scores) <= MAX_SCORES and len(self.params) <= MAX_PARAMS,
+            f"a decision records at most {MAX_SCORES} scores and {MAX_PARAMS} parameters",
+        )
+
+
+DECISION_FIXED_BYTES = 32 << 10
+"""Allowance for everything in a `Decision` besides its worker lists and signature: ids
+(request, router, model, worker, policy; at most 1 KiB each in UTF-8), the fallback reason
+and the policy's parameters (both written by the router itself, a few hundred bytes)."""
+
+
+def decision_bytes_bound(max_workers: int, max_cells: int, max_scores: int) -> int:
+    """The most bytes a `Decision` encodes to when it names at most `max_workers` workers
+    (fleet, loads, band), `max_scores` scores and a signature of at most `max_cells`
+    cells: fleet entries 278 bytes (a 256-character token and two integers), loads and
+    scores 269, band 259, a signature cell 8 (uint32 index and count), plus
+    `DECISION_FIXED_BYTES`. A router checks its limits against this at start so that
+    every decision it can make fits the readers' `max_payload_bytes`."""
+    per_worker = 278 + 269 + 259
+    return DECISION_FIXED_BYTES + max_workers * per_worker + max_scores * 269 + max_cells * 8
 
 
 class LoadReport(Message, frozen=True, tag="load_report"):
@@ -300,6 +363,9 @@ class LoadReport(Message, frozen=True, tag="load_report"):
     optimistic in-flight increments)."""
     draining: bool = False
     """True while shutting down: route nothing new here."""
+
+    def __post_init__(self) -> None:
+        require(self.worker_id != NO_WORKER, f"{NO_WORKER!r} is not a worker id")
 
 
 class DecodeProfile(Message, frozen=True, tag="decode_profile"):
@@ -501,7 +567,7 @@ class RouterControl(Message, frozen=True, tag="router_control"):
     """e.g. "inflight" or "kv_tokens"."""
 
 
-class RouterControlReply(Message, frozen=True, tag="router_control_reply"):
+class RouterControlReply(Message, frozen=True, kw_only=True, tag="router_control_reply"):
     router_id: Ident
     policy: Ident
     params: Annotated[dict[AttrKey, ParamValue], msgspec.Meta(max_length=MAX_PARAMS)]
@@ -509,6 +575,13 @@ class RouterControlReply(Message, frozen=True, tag="router_control_reply"):
     """Partition version the replica routes with (None: none loaded)."""
     live_workers: Count = 0
     """Decode workers in the replica's load table."""
+    announced_version: Version | None = None
+    """Newest partition version the replica has seen announced (None: none, or a replica
+    older than v2). Differs from `partition_version` while that one is not loaded yet."""
+    partition_error: Text | None = None
+    """Why the announced version is not in use yet (its last load attempt's error), while
+    it is not; the replica keeps retrying. v2 added both fields."""
+    v: Version = 2
 
 
 class RefitRequest(Message, frozen=True, tag="refit_request"):
