@@ -550,6 +550,8 @@ class TraceReplayer:
             attrs={"label": prepared.label[:1024]},
             cached_prefix_blocks=cached,
             computed=computed,
+            # It stops waiting after decision_timeout_s (and one read of the stream).
+            deadline_s=time.time() + self.config.decision_timeout_s,
         )
         waiter: asyncio.Future[tuple[Decision, float]] = asyncio.get_running_loop().create_future()
         state.waiters[record.request_id] = waiter
@@ -566,7 +568,7 @@ class TraceReplayer:
                     waiter, timeout=self.config.decision_timeout_s
                 )
                 record.decision_latency_s = arrived_at - published_at
-                return decision
+                return _assigned(record, decision)
         finally:
             state.waiters.pop(record.request_id, None)
         late = await self.bus.get_last(
@@ -578,7 +580,7 @@ class TraceReplayer:
             record.error = f"no decision within {self.config.decision_timeout_s:g} s"
             return None
         record.recovered = True
-        return late
+        return _assigned(record, late)
 
     async def _on_decision(self, decision: Decision, _: Delivery) -> None:
         arrived = time.monotonic()
@@ -692,3 +694,12 @@ class TraceReplayer:
             achieved_rate_per_s=len(records) / elapsed_s if elapsed_s > 0 else math.nan,
             max_lag_s=max((r.lag_s for r in records), default=0.0),
         )
+
+
+def _assigned(record: RequestRecord, decision: Decision) -> Decision | None:
+    """The decision, or None (saying why) for an expired record: the router took the event
+    after its deadline and assigned no worker."""
+    if decision.assigned:
+        return decision
+    record.error = "decision expired (the router took the event after its deadline)"
+    return None
