@@ -45,7 +45,9 @@ import contextlib
 import dataclasses
 import logging
 import math
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol, TypeVar
 
@@ -116,6 +118,10 @@ class RefitSkipped(Exception):  # noqa: N818 - an outcome, not an error
     """A refit's preconditions do not hold; the message says which."""
 
 
+class FitAborted(Exception):  # noqa: N818 - a reason to stop, raised by the fit's checkpoint
+    """The fit passed its time limit or was cancelled (the service is stopping)."""
+
+
 class RefitFailed(Exception):  # noqa: N818 - carries the failing stage for the metric
     def __init__(self, stage: str, message: str) -> None:
         super().__init__(message)
@@ -156,6 +162,8 @@ class TrainerConfig:
     drift_fit_max_age_s: float = 300.0
     churn_refit: bool = True
     churn_settle_s: float = 5.0
+    max_workers: int = 1024
+    fit_timeout_s: float = 300.0
 
     @classmethod
     def from_settings(cls, settings: object) -> TrainerConfig:
@@ -428,8 +436,12 @@ class Trainer:
         self.observer = observer
         self.clock = clock
         self.window = TrainingWindow(config.window_max_samples, config.window_max_age_s)
-        self.live = LiveWorkers(config.worker_ttl_s)
+        self.live = LiveWorkers(config.worker_ttl_s, max_workers=config.max_workers)
         self._refit_lock = asyncio.Lock()
+        self._refit_running: tuple[str, float] | None = None
+        """(trigger, monotonic start) of the refit under way, if any."""
+        self._cancel = threading.Event()
+        """Set to abandon the fit under way (the service is stopping)."""
         self._added_at_last_fit: int | None = None
         self.active: Partition | None = None
         """The active version as this trainer last stored or found it (drift, churn)."""
@@ -486,9 +498,15 @@ class Trainer:
             self._report_window()
 
     def add_load(self, msg: LoadReport, ts_s: float | None) -> None:
-        """A decode worker's load report: it is live, with this many requests in flight."""
-        self.live.on_report(msg.worker_id, ts_s or self.clock.time(), draining=msg.draining)
+        """A decode worker's load report: it is live, with this many requests in flight
+        (unless the live table is full: `max_workers`)."""
+        taken = self.live.on_report(msg.worker_id, ts_s or self.clock.time(), draining=msg.draining)
+        if not taken and msg.worker_id not in self.in_flight:
+            self.observer.took_input("load", "fleet_full")
+            return
         self.in_flight[msg.worker_id] = msg.running + msg.waiting
+        while len(self.in_flight) > 2 * self.config.max_workers:
+            del self.in_flight[next(iter(self.in_flight))]
 
     def workers(self, now_s: float) -> tuple[str, ...]:
         """The decode workers a refit would use: the fixed list if set, else the live ones."""
@@ -565,9 +583,40 @@ class Trainer:
 
     # --- refits ----------------------------------------------------------------------------
 
+    def cancel_fit(self) -> None:
+        """Abandon the fit under way at its next checkpoint (the service is stopping); later
+        refits are refused."""
+        self._cancel.set()
+
+    def _checkpoint(self, deadline_mono: float) -> Callable[[], None]:
+        limit_s = self.config.fit_timeout_s
+
+        def check() -> None:
+            if self._cancel.is_set():
+                raise FitAborted("cancelled: the trainer is stopping")
+            if time.monotonic() > deadline_mono:
+                raise FitAborted(f"the fit took longer than fit_timeout_s={limit_s:g} s")
+
+        return check
+
     async def refit(self, reason: str, k: int | None, *, trigger: str) -> RefitReply:
-        """Refit now (one at a time); every outcome is a reply, none raises."""
+        """Refit now (one at a time: a refit asked for while another runs is answered at
+        once, skipped); every outcome is a reply, none raises."""
+        running = self._refit_running
+        if running is not None or self._refit_lock.locked():
+            what, since = running or ("?", self.clock.monotonic())
+            message = (
+                f"a refit ({what}) is under way for {self.clock.monotonic() - since:.1f} s "
+                f"(at most fit_timeout_s={self.config.fit_timeout_s:g} s): not started"
+            )
+            log.info("refit (%s) skipped: %s", trigger, message)
+            self.observer.refit_ended(trigger, "skipped")
+            return RefitReply(version=None, status="skipped", message=message)
+        if self._cancel.is_set():
+            self.observer.refit_ended(trigger, "skipped")
+            return RefitReply(version=None, status="skipped", message="the trainer is stopping")
         async with self._refit_lock:
+            self._refit_running = (trigger, self.clock.monotonic())
             try:
                 reply = await self._refit(reason, k, trigger)
             except RefitSkipped as exc:
@@ -583,6 +632,8 @@ class Trainer:
                 reply = RefitReply(
                     version=None, status="error", message=f"{type(exc).__name__}: {exc}"
                 )
+            finally:
+                self._refit_running = None
             self.observer.refit_ended(trigger, reply.status)
             return reply
 
@@ -605,7 +656,10 @@ class Trainer:
         if since_s > -math.inf:
             snapshot = self._recent(snapshot, since_s, live)
         added_total = self.window.added_total
-        outcome = await asyncio.to_thread(self._fit_and_store, snapshot, live, k, reason, trigger)
+        checkpoint = self._checkpoint(time.monotonic() + self.config.fit_timeout_s)
+        outcome = await asyncio.to_thread(
+            self._fit_and_store, snapshot, live, k, reason, trigger, checkpoint
+        )
         self._added_at_last_fit = added_total
         self._observe_fit(outcome)
         report = outcome.report
@@ -695,8 +749,11 @@ class Trainer:
         k: int | None,
         reason: str,
         trigger: str,
+        checkpoint: Callable[[], None] | None = None,
     ) -> FitOutcome:
-        """Runs in a worker thread: read the active version, fit, gate, store."""
+        """Runs in a worker thread: read the active version, fit, gate, store. The fit
+        calls `checkpoint` often; what it raises (`FitAborted`: the time limit, or the
+        service stopping) ends the refit at stage "fit" before anything is stored."""
         sessions = self.database.sessions()
         try:
             previous = load_active(sessions, snapshot.model)
@@ -735,9 +792,16 @@ class Trainer:
                 reduce_dim=c.reduce_dim or None,
                 min_profiled=c.min_profiled,
                 holdout_prefill=training.prefill[held] if held.any() else None,
+                checkpoint=checkpoint,
             )
         except ValueError as exc:
             raise RefitFailed("fit", f"fit failed: {exc}") from exc
+        except FitAborted as exc:
+            raise RefitFailed(
+                "fit",
+                f"fit abandoned after {time.perf_counter() - started:.1f} s "
+                f"({training.n} requests, {len(workers)} workers): {exc}",
+            ) from exc
         fit_s = time.perf_counter() - started
         self.observer.fitted(fit_s)
         for note in report.notes:
@@ -746,7 +810,9 @@ class Trainer:
         missing = ""
         if not forced:
             assert previous is not None
+            self._check(checkpoint, started)
             shadow, missing = self._shadow(previous, partition, training, held, workers, L)
+        self._check(checkpoint, started)  # nothing is stored after the time limit
         verdict = promotion_verdict(shadow, c.shadow_min_gain, forced=forced, missing=missing)
         note = f"{reason}: {verdict.reason}"[:500]
         write = write_active_version if verdict.promote else write_rejected_version
@@ -776,6 +842,17 @@ class Trainer:
             partition,
             None if previous is None else previous.version,
         )
+
+    @staticmethod
+    def _check(checkpoint: Callable[[], None] | None, started: float) -> None:
+        if checkpoint is None:
+            return
+        try:
+            checkpoint()
+        except FitAborted as exc:
+            raise RefitFailed(
+                "fit", f"fit abandoned after {time.perf_counter() - started:.1f} s: {exc}"
+            ) from exc
 
     def ungated_because(
         self, previous: Partition | None, workers: tuple[str, ...], trigger: str

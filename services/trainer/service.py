@@ -367,6 +367,12 @@ async def setup(ctx: ServiceContext[TrainerSettings]) -> None:
         await asyncio.gather(task, return_exceptions=True)
 
     ctx.stack.push_async_callback(stop_task)
+
+    async def cancel_fit() -> None:
+        # A fit under way stops at its next checkpoint, so the drain does not wait for it.
+        trainer.cancel_fit()
+
+    ctx.on_stopping(cancel_fit)
     await bus.serve(subjects.trainer_refit, TRAINER_QUEUE, RefitRequest, svc.on_refit_request)
     ctx.set_ready()
     log.info(

@@ -183,6 +183,25 @@ class TrainerSettings(CommonSettings, StoreSettings, GeometrySettings):
         "churn refit (workers joining together give one refit).",
     )
 
+    max_workers: int = Field(
+        default=1024,
+        ge=1,
+        le=4096,
+        description="Decode workers the trainer keeps as live at most (reports of further "
+        "new workers are refused and counted, eldr_trainer_inputs_total"
+        '{kind="load",outcome="fleet_full"}), and so the most a refit fits for: a fit costs '
+        "about window size x workers per K-means iteration (4,200 workers took a refit to "
+        "minutes). Keep it the routers' max_workers.",
+    )
+    fit_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="A refit's fit (calibration, balanced K-means, alignment, shadow "
+        "evaluation) is abandoned after this long and counted as an error at stage fit; "
+        "nothing is stored. The fit checks it (and the service stopping) between steps of "
+        "its loops, so SIGTERM and this limit take effect within a fraction of a second.",
+    )
+
     @field_validator("trainer_workers", mode="before")
     @classmethod
     def _split_workers(cls, value: object) -> object:

@@ -54,6 +54,8 @@ from eldr.wire import (
     LoadReport,
     PartitionAnnouncement,
     PrefillDone,
+    RefitReply,
+    RefitRequest,
     RouterControl,
     RouterControlReply,
     SparseCounts,
@@ -674,3 +676,137 @@ async def test_an_event_past_its_deadline_is_recorded_expired_and_counted_nowher
     assert expired == len(short)
     assert len(again.decisions[short[0]]) == 1
     assert already >= 1
+
+
+# --- finding 4: a bounded trainer ----------------------------------------------------------
+
+
+def _decision_for(rid: str, worker: str, rng: np.random.Generator) -> Decision:
+    signature = rng.integers(0, 4, size=(L, E)).astype(np.uint32)
+    return Decision(
+        request_id=rid,
+        ts_s=time.time(),
+        router_id="r0",
+        model="m",
+        worker_id=worker,
+        policy="jsq",
+        params={},
+        partition_version=None,
+        fallback=None,
+        scores=[],
+        band=[],
+        loads=[],
+        signature=SparseCounts.from_dense(signature),
+        missing_blocks=0,
+        decide_s=0.001,
+        prompt_tokens=int(signature.sum()),
+    )
+
+
+async def test_a_forged_fleet_does_not_hang_the_trainer(bus: Bus, tmp_path: Path) -> None:
+    """4,200 workers report and the window holds 4,300 requests. The trainer used to refit
+    for every one of them (4,204 workers: over 10 minutes at 100% CPU), answer no
+    `eldr refit` within 40 s and ignore SIGTERM until its fit ended. Now (1) it keeps at
+    most max_workers (1,024) live, and a refit for them on a window of 2,048 requests
+    (window_max_samples) ends in seconds; (2) with the cap raised to 4,096, a fit that
+    passes fit_timeout_s is abandoned, a refit asked for meanwhile is answered at once and
+    SIGTERM during a fit ends the process within a second."""
+    workers = [f"w{i:04d}" for i in range(4200)]
+    rng = np.random.default_rng(4)
+    for i in range(4300):
+        rid = f"t-{i:05d}"
+        await bus.js_publish(bus.subjects.decision(rid), _decision_for(rid, workers[i % 4200], rng))
+    seq = 0
+
+    async def report_all() -> None:
+        nonlocal seq
+        seq += 1
+        for worker in workers:
+            await bus.publish(bus.subjects.load(worker), load_report(worker, seq))
+        await bus.flush()
+
+    async def keep_reporting() -> None:
+        while True:
+            await report_all()
+            await asyncio.sleep(2.0)
+
+    async def refit(reason: str) -> tuple[RefitReply, float]:
+        started = time.monotonic()
+        reply = await bus.request(
+            bus.subjects.trainer_refit, RefitRequest(reason=reason), RefitReply, timeout_s=60
+        )
+        return reply, time.monotonic() - started
+
+    common = {
+        "ELDR_REFIT_INTERVAL_S": "0",
+        "ELDR_CHURN_REFIT": "false",
+        "ELDR_MIN_SAMPLES": "64",
+        "ELDR_REDUCE_DIM": "32",
+    }
+    reports = asyncio.create_task(keep_reporting())
+    try:
+        async with service(
+            "trainer",
+            bus.settings,
+            tmp_path,
+            ELDR_DATABASE_URL=f"sqlite:///{tmp_path}/bounded.db",
+            ELDR_WINDOW_MAX_SAMPLES="2048",
+            **common,
+        ) as bounded:
+            await asyncio.sleep(3.0)  # the reports are in
+            capped, capped_s = await refit("capped fleet")
+            live = bounded.metric("eldr_trainer_live_workers")
+            refused = bounded.metric("eldr_trainer_inputs_total", kind="load", outcome="fleet_full")
+        async with service(
+            "trainer",
+            bus.settings,
+            tmp_path,
+            ELDR_DATABASE_URL=f"sqlite:///{tmp_path}/limited.db",
+            ELDR_MAX_WORKERS="4096",
+            ELDR_FIT_TIMEOUT_S="3",
+            **common,
+        ) as limited:
+            await asyncio.sleep(3.0)
+            first = asyncio.create_task(refit("long fit"))
+            await asyncio.sleep(1.0)
+            busy, busy_s = await refit("meanwhile")
+            timed_out, timed_out_s = await first
+            third = asyncio.create_task(refit("interrupted"))
+            await asyncio.sleep(1.0)
+            stopped = time.monotonic()
+            limited.process.send_signal(signal.SIGTERM)
+            try:
+                code = await asyncio.to_thread(limited.process.wait, 30)
+            except subprocess.TimeoutExpired:
+                code = None
+            exit_s = time.monotonic() - stopped
+            third.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await third
+            output = limited.output()
+    finally:
+        reports.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reports
+    print(
+        f"\ntrainer: 4,200 workers reporting, {live:.0f} live ({refused:.0f} reports refused); "
+        f"refit {capped.status} in {capped_s:.1f} s ({capped.message[:120]}); with 4,096 "
+        f"workers and fit_timeout_s=3: {timed_out.status} after {timed_out_s:.1f} s "
+        f"({timed_out.message[:100]}); a refit meanwhile answered in {busy_s:.2f} s "
+        f"({busy.status}); SIGTERM during a fit: exit {code} in {exit_s:.2f} s"
+    )
+    assert live == 1024
+    assert refused > 0
+    assert capped.status == "ok"
+    assert "2048 requests" in capped.message
+    assert "1024 workers" in capped.message
+    assert capped_s < 30
+    assert busy.status == "skipped"
+    assert "under way" in busy.message
+    assert busy_s < 1.0
+    assert timed_out.status == "error"
+    assert "fit_timeout_s=3" in timed_out.message
+    assert timed_out_s < 6
+    assert code == 0, output[-3000:]
+    assert exit_s < 5
+    assert "cancelled: the trainer is stopping" in output

@@ -336,3 +336,25 @@ def test_align_rejects_dimension_mismatch() -> None:
 def test_align_rejects_zero_rows() -> None:
     with pytest.raises(ValueError, match="zero rows"):
         align_centroids(np.array([[0.0, 0.0]]), np.ones((1, 2)))
+
+
+def test_a_checkpoint_that_raises_stops_the_fit_early() -> None:
+    # The trainer's time limit and cancellation: the fit calls back often and stops when
+    # the callback raises (seeding alone makes k / 32 calls).
+    X = np.random.default_rng(0).random((600, 16)).astype(np.float32) + 0.01
+    calls: list[int] = []
+
+    class StopFitError(Exception):
+        pass
+
+    def checkpoint() -> None:
+        calls.append(1)
+        if len(calls) == 5:
+            raise StopFitError
+
+    with pytest.raises(StopFitError):
+        balanced_spherical_kmeans(X, 300, seed=0, reduce_dim=None, checkpoint=checkpoint)
+    assert len(calls) == 5
+    counted: list[int] = []
+    balanced_spherical_kmeans(X, 300, seed=0, reduce_dim=None, checkpoint=lambda: counted.append(1))
+    assert len(counted) >= 300 // 32

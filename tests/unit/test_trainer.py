@@ -3,9 +3,11 @@ fake clock and a recording observer: no sockets."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -476,3 +478,43 @@ async def test_at_start_an_announced_version_is_not_announced_again(rig: Rig) ->
     await rig.trainer.refit("first", None, trigger="request")
     await rig.trainer.reconcile_announcement()
     assert rig.bus.announced() == [1]
+
+
+async def test_a_fit_past_its_time_limit_is_abandoned_and_nothing_stored(db_url: str) -> None:
+    rig = make_rig(db_url, dataclasses.replace(CONFIG, fit_timeout_s=1e-9))
+    try:
+        feed(rig, 60)
+        reply = await rig.trainer.refit("test", None, trigger="request")
+    finally:
+        rig.database.close()
+    assert reply.status == "error"
+    assert "fit_timeout_s=1e-09" in reply.message
+    assert rig.observer.of("refit_failed") == [("fit",)]
+    assert rig.bus.announced() == []
+
+
+async def test_a_refit_asked_for_during_another_is_answered_at_once(rig: Rig) -> None:
+    feed(rig, 60)
+    gate = threading.Event()
+    real = rig.trainer._fit_and_store
+
+    def slow(*args: Any) -> Any:
+        gate.wait(10)
+        return real(*args)
+
+    rig.trainer._fit_and_store = slow  # type: ignore[method-assign]
+    first = asyncio.create_task(rig.trainer.refit("first", None, trigger="request"))
+    await asyncio.sleep(0.05)
+    busy = await rig.trainer.refit("second", None, trigger="request")
+    gate.set()
+    assert (await first).status == "ok"
+    assert busy.status == "skipped"
+    assert "a refit (request) is under way" in busy.message
+
+
+async def test_a_cancelled_trainer_abandons_its_fit(rig: Rig) -> None:
+    feed(rig, 60)
+    rig.trainer.cancel_fit()
+    reply = await rig.trainer.refit("test", None, trigger="request")
+    assert reply.status == "skipped"
+    assert reply.message == "the trainer is stopping"

@@ -258,3 +258,15 @@ def test_the_finished_without_profile_count_matches_the_samples(
     samples = w.snapshot("m")
     held = samples.samples if samples is not None else ()
     assert w.finished_without_profile == sum(s.finished and s.decode is None for s in held)
+
+
+def test_live_workers_hold_at_most_max_workers() -> None:
+    live = LiveWorkers(ttl_s=5, max_workers=2)
+    assert live.on_report("a", 0.0)
+    assert live.on_report("b", 0.0)
+    assert not live.on_report("c", 0.5)
+    assert live.refused == 1
+    assert live.live(0.5) == ("a", "b")
+    assert live.on_report("a", 4.0)
+    assert live.on_report("c", 6.0)  # b went silent: its place is free
+    assert live.live(6.0) == ("a", "c")

@@ -18,13 +18,15 @@ minima already assigns most rows. Measured here: 512 x 512 uniform random costs 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 __all__ = ["linear_sum_assignment"]
 
 
 def linear_sum_assignment(
-    cost: np.ndarray, maximize: bool = False
+    cost: np.ndarray, maximize: bool = False, *, checkpoint: Callable[[], None] | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """Assign rows to columns at minimum (or maximum) total cost.
 
@@ -32,7 +34,8 @@ def linear_sum_assignment(
     min(rows, cols) pairs, each row and each column used at most once. Returns
     `(row_ind, col_ind)`, int64 arrays of equal length with `row_ind` ascending, such that
     `cost[row_ind, col_ind].sum()` is optimal. Raises ValueError for non-2-D input and for
-    NaN or infinite entries.
+    NaN or infinite entries. `checkpoint` is called before each augmenting path (it may
+    raise to abandon the solve: a caller's deadline or cancellation).
     """
     matrix = np.asarray(cost)
     if matrix.ndim != 2:
@@ -56,7 +59,7 @@ def linear_sum_assignment(
     # Shifting all costs by a constant leaves the optimal assignment unchanged and keeps the
     # potentials small, which keeps the comparisons below well conditioned.
     work -= work.min()
-    col_for_row = _solve_wide(work)
+    col_for_row = _solve_wide(work, checkpoint)
     rows = np.arange(work.shape[0], dtype=np.int64)
     if not transposed:
         return rows, col_for_row
@@ -64,7 +67,7 @@ def linear_sum_assignment(
     return col_for_row[order], rows[order]
 
 
-def _solve_wide(cost: np.ndarray) -> np.ndarray:
+def _solve_wide(cost: np.ndarray, checkpoint: Callable[[], None] | None = None) -> np.ndarray:
     """Optimal column for every row of a float64 matrix with rows <= cols."""
     n_rows, n_cols = cost.shape
     # Row potentials from row minima with zero column potentials are feasible duals; every
@@ -81,6 +84,8 @@ def _solve_wide(cost: np.ndarray) -> np.ndarray:
             col_for_row[i] = j
 
     for start in np.flatnonzero(col_for_row < 0):
+        if checkpoint is not None:
+            checkpoint()
         _augment(cost, int(start), u, v, col_for_row, row_for_col)
     return col_for_row
 

@@ -104,6 +104,7 @@ def balanced_spherical_kmeans(
     reduce_dim: int | None = 128,
     tol: float = 1e-4,
     on_iteration: Callable[[int], None] | None = None,
+    checkpoint: Callable[[], None] | None = None,
 ) -> KMeansResult:
     """Spherical K-means with every cluster holding at most `capacity` rows.
 
@@ -112,7 +113,10 @@ def balanced_spherical_kmeans(
     satisfy k * capacity >= N. A cluster can end up empty only when
     (k - 1) * capacity >= N. reduce_dim: run the iterations in a projection to this many
     dimensions when d is larger (None or 0: never). on_iteration: called with the iteration
-    number after each iteration (progress reporting). Deterministic for a given seed.
+    number after each iteration (progress reporting). checkpoint: called often (between
+    seeding steps, assignment rounds and iterations, at least every few hundred ms of work
+    at K = 4,200); it may raise to abandon the fit (a deadline, a cancellation).
+    Deterministic for a given seed.
     """
     n = _check_input(X, k)
     if capacity is None:
@@ -131,6 +135,7 @@ def balanced_spherical_kmeans(
         reduce_dim=reduce_dim,
         tol=tol,
         on_iteration=on_iteration,
+        checkpoint=checkpoint,
     )
 
 
@@ -171,6 +176,7 @@ def capacitated_assignment(
     eps: float = _AUCTION_EPS,
     eps_start: float = 1e-2,
     auction_steps: int | None = None,
+    checkpoint: Callable[[], None] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Assign each row of `sims` [N, K] to a column, at most `capacity` rows per column,
     maximising total similarity.
@@ -201,6 +207,8 @@ def capacitated_assignment(
     4. When step 3 ran or a column with room kept a positive price, prices are
        recomputed from the final assignment as shortest-path potentials of the move
        graph, so they again certify the assignment.
+
+    `checkpoint`, if given, is called every 64 price moves (it may raise to abandon).
     """
     sims = np.asarray(sims)
     if sims.ndim != 2 or sims.shape[0] < 1 or sims.shape[1] < 1:
@@ -234,6 +242,8 @@ def capacitated_assignment(
                 if counts[col] > capacity and steps < auction_steps:
                     _shed(sims, int(col), capacity, price, labels, counts, phase_eps)
                     steps += 1
+                    if checkpoint is not None and steps % 64 == 0:
+                        checkpoint()
         if phase_eps <= eps:
             break
         phase_eps = max(eps, phase_eps / 10.0)
@@ -587,15 +597,23 @@ def _normalise(rows: np.ndarray) -> np.ndarray:
     return rows / np.where(norms > 0.0, norms, 1.0)
 
 
-def _kmeans_pp(Z: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
+def _kmeans_pp(
+    Z: np.ndarray,
+    k: int,
+    rng: np.random.Generator,
+    checkpoint: Callable[[], None] | None = None,
+) -> np.ndarray:
     """Greedy k-means++ seeding on cosine distance (1 - cos, proportional to the squared
-    Euclidean distance of unit vectors); returns float32 [k, r] unit rows."""
+    Euclidean distance of unit vectors); returns float32 [k, r] unit rows. `checkpoint` is
+    called every 32 centres."""
     n = Z.shape[0]
     trials = 2 + int(math.log(k))
     chosen = [int(rng.integers(n))]
     centres = [_normalise(Z[chosen[0]][None, :])[0]]
     best_sim = Z @ centres[0]
-    for _ in range(1, k):
+    for step in range(1, k):
+        if checkpoint is not None and step % 32 == 0:
+            checkpoint()
         dist = np.clip(1.0 - best_sim.astype(np.float64), 0.0, None)
         dist[chosen] = 0.0
         total = float(dist.sum())
@@ -661,6 +679,7 @@ def _fit(
     reduce_dim: int | None,
     tol: float,
     on_iteration: Callable[[int], None] | None = None,
+    checkpoint: Callable[[], None] | None = None,
 ) -> KMeansResult:
     if max_iter < 1:
         raise ValueError(f"max_iter must be >= 1, got {max_iter}")
@@ -674,17 +693,21 @@ def _fit(
     basis = _projection(X, norms, reduce_dim, rng) if reduce_dim and d > reduce_dim else None
     Z = _working_matrix(X, norms, basis)
 
-    centroids = _kmeans_pp(Z, k, rng)
+    centroids = _kmeans_pp(Z, k, rng, checkpoint)
     price = np.zeros(k)
     labels = np.zeros(n, dtype=np.int64)
     converged = False
     iterations = 0
     for iterations in range(1, max_iter + 1):
+        if checkpoint is not None:
+            checkpoint()
         sims = Z @ centroids.T
         if capacity is None:
             labels = sims.argmax(axis=1)
         else:
-            labels, price = capacitated_assignment(sims, capacity, prices=price)
+            labels, price = capacitated_assignment(
+                sims, capacity, prices=price, checkpoint=checkpoint
+            )
         sums = _cluster_sums(Z, labels, k)
         new_centroids = _normalise(sums).astype(np.float32)
         # Empty clusters (and, with signed data, clusters whose rows cancel out).

@@ -12,7 +12,7 @@ and scores it against each worker's centroids.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -194,6 +194,8 @@ def assign_clusters_to_workers(
     k: int,
     workers: Sequence[str],
     previous_choice: Sequence[str | None] | None,
+    *,
+    checkpoint: Callable[[], None] | None = None,
 ) -> np.ndarray:
     """Worker index for each new cluster, keeping traffic where it was.
 
@@ -216,7 +218,7 @@ def assign_clusters_to_workers(
     known = prev_slot >= 0
     overlap = np.zeros((k, len(workers)), dtype=np.float64)
     np.add.at(overlap, (labels[known], prev_slot[known]), 1.0)
-    rows, cols = linear_sum_assignment(overlap, maximize=True)
+    rows, cols = linear_sum_assignment(overlap, maximize=True, checkpoint=checkpoint)
     mapping = np.full(k, -1, dtype=np.int64)
     mapping[rows] = cols
     return mapping
@@ -237,6 +239,10 @@ def previous_choices(previous: Partition, prefill_counts: np.ndarray) -> list[st
     return [previous.workers[int(c)] if ok else None for c, ok in zip(choice, usable, strict=True)]
 
 
+def _no_checkpoint() -> None:
+    return None
+
+
 def fit_partition(
     prefill_counts: np.ndarray,
     decode_counts: np.ndarray | None,
@@ -252,6 +258,7 @@ def fit_partition(
     reduce_dim: int | None = 128,
     min_profiled: int = 2,
     holdout_prefill: np.ndarray | None = None,
+    checkpoint: Callable[[], None] | None = None,
 ) -> tuple[Partition, FitReport]:
     """Fit a new partition for `workers` on N training requests (pure).
 
@@ -266,8 +273,12 @@ def fit_partition(
     profile": the layer mask is selected on the requests that have one (when at least
     `min_profiled` do; otherwise every layer is kept), the IDF on all requests. Needs at
     least len(workers) usable requests. A `previous` partition of another geometry is
-    ignored (with a note).
+    ignored (with a note). `checkpoint` is called between the fit's stages and inside its
+    loops (`balanced_spherical_kmeans`, the alignment's assignment); whatever it raises
+    ends the fit (the trainer's time limit and cancellation: the fit runs in a thread,
+    which cannot be stopped from outside).
     """
+    tick = checkpoint or _no_checkpoint
     if not workers:
         raise ValueError("fit_partition needs at least one worker")
     prefill = np.asarray(prefill_counts, dtype=np.float32)
@@ -288,6 +299,7 @@ def fit_partition(
     calibration, report = _calibrate(
         prefill, decode, geometry, transform, layer_selection, seed, min_profiled, notes
     )
+    tick()
     signatures = calibration.apply(prefill)
     nonzero = np.any(signatures != 0, axis=1)
     if not nonzero.all():
@@ -296,7 +308,10 @@ def fit_partition(
         prefill = prefill[nonzero]
     if signatures.shape[0] < k:
         raise ValueError(f"{signatures.shape[0]} requests with a signature for {k} workers")
-    fit = balanced_spherical_kmeans(signatures, k, seed=seed, reduce_dim=reduce_dim)
+    fit = balanced_spherical_kmeans(
+        signatures, k, seed=seed, reduce_dim=reduce_dim, checkpoint=checkpoint
+    )
+    tick()
     if previous is not None and (
         previous.calibration.num_moe_layers != geometry.num_moe_layers
         or previous.calibration.num_experts != geometry.num_experts
@@ -311,7 +326,10 @@ def fit_partition(
     # Routers send a request to (near) its best-scoring worker, so churn is measured and
     # minimised on each request's nearest centroid, not on its capacity-constrained label.
     nearest = np.argmax(signatures @ fit.centroids.T, axis=1)
-    mapping = assign_clusters_to_workers(nearest, k, workers, previous_choice)
+    mapping = assign_clusters_to_workers(
+        nearest, k, workers, previous_choice, checkpoint=checkpoint
+    )
+    tick()
     moved = None
     if previous_choice is not None:
         new_choice = [workers[int(c)] for c in mapping[nearest]]
@@ -327,6 +345,7 @@ def fit_partition(
         prices=None,
         metrics={},
     )
+    tick()
     baseline_sigs = signatures
     if holdout_prefill is not None:
         held = calibration.apply(np.asarray(holdout_prefill, dtype=np.float32))

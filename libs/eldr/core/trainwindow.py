@@ -313,24 +313,41 @@ class TrainingWindow:
 
 @dataclass
 class LiveWorkers:
-    """Decode workers that reported within `ttl_s`; a draining worker is not live."""
+    """Decode workers that reported within `ttl_s`; a draining worker is not live. At most
+    `max_workers` are held: a report from a new worker beyond that is refused (`refused`
+    counts them) until one goes silent, so a forged fleet cannot grow a refit past it."""
 
     ttl_s: float
+    max_workers: int = 1024
+    refused: int = 0
     _last_s: dict[str, float] = field(default_factory=dict)
     _draining: set[str] = field(default_factory=set)
+    _pruned_s: float = -np.inf
 
     def __post_init__(self) -> None:
         if self.ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {self.ttl_s}")
+        if self.max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1, got {self.max_workers}")
 
-    def on_report(self, worker_id: str, ts_s: float, *, draining: bool = False) -> None:
-        if ts_s < self._last_s.get(worker_id, -np.inf):
-            return  # an older report (replay overlapping live delivery)
+    def on_report(self, worker_id: str, ts_s: float, *, draining: bool = False) -> bool:
+        """Take a report; False when it is older than the last one or refused (full)."""
+        last = self._last_s.get(worker_id)
+        if last is None and len(self._last_s) >= self.max_workers:
+            if ts_s - self._pruned_s >= 1.0:  # at most once a second: a flood is cheap
+                self._pruned_s = ts_s
+                self.live(ts_s)  # forget the silent ones first
+            if len(self._last_s) >= self.max_workers:
+                self.refused += 1
+                return False
+        if last is not None and ts_s < last:
+            return False  # an older report (replay overlapping live delivery)
         self._last_s[worker_id] = ts_s
         if draining:
             self._draining.add(worker_id)
         else:
             self._draining.discard(worker_id)
+        return True
 
     def live(self, now_s: float) -> tuple[str, ...]:
         """Live worker ids, sorted; forgets workers silent for more than `ttl_s`."""
