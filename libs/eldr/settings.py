@@ -19,6 +19,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from eldr.core.blocks import hash_key_from_secret
 from eldr.core.limits import (
     DEFAULT_MAX_CELLS,
     DEFAULT_MAX_EXPERTS,
@@ -199,6 +200,36 @@ class RetentionSettings(BaseSettings):
     router_max_ack_pending: int = Field(
         default=4096, ge=1, description="PrefillDone events in flight across all router replicas."
     )
+
+
+class BlockHashSettings(BaseSettings):
+    """The deployment secret block hashes are keyed with (`eldr.core.blocks`): every
+    producer of block hashes (capture plugin, gateway with the routed_experts source,
+    simulated prefill) of a deployment must have the same one."""
+
+    model_config = _CONFIG
+
+    block_hash_key: SecretStr | None = Field(
+        default=None,
+        description="Secret the chained block hashes are keyed with (BLAKE2b keyed mode), so "
+        "that a block hash cannot be computed from tokens, or linked to them, without it. "
+        "Unset (and no block_hash_key_file): unkeyed hashes.",
+    )
+    block_hash_key_file: Path | None = Field(
+        default=None,
+        description="File holding the block-hash secret (a Kubernetes Secret mounted as a "
+        "file); wins over block_hash_key.",
+    )
+
+    def block_hash_key_bytes(self) -> bytes:
+        """The key producers hash with (empty: unkeyed)."""
+        if self.block_hash_key_file is not None:
+            secret = self.block_hash_key_file.read_bytes().strip()
+        elif self.block_hash_key is not None:
+            secret = self.block_hash_key.get_secret_value().encode()
+        else:
+            return b""
+        return hash_key_from_secret(secret)
 
 
 class GeometrySettings(BaseSettings):

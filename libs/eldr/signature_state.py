@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -164,6 +164,11 @@ class IngestResult:
     """Blocks that were not cached before (0 when rejected)."""
     detail: str = ""
     """Why it was rejected, for the log."""
+    blocks_conflicting: int = 0
+    """Blocks whose summary differs from the one cached for everyone: kept as the
+    writer's own (`eldr.core.blockcache`)."""
+    blocks_trusted: int = 0
+    """Of those, blocks where this trusted writer's summary replaced an untrusted one."""
 
 
 class Outcome(enum.StrEnum):
@@ -208,11 +213,14 @@ class SignatureState:
         max_models: int = 256,
         max_publishers: int = DEFAULT_MAX_PUBLISHERS,
         limits: GeometryLimits | None = None,
+        trusted_writers: frozenset[str] = frozenset(),
     ) -> None:
         if max_models <= 0:
             raise ValueError(f"max_models must be positive, got {max_models}")
         self.cache = BlockCache(cache_max_bytes)
         self.limits = limits or GeometryLimits()
+        self.trusted_writers = trusted_writers
+        """Writers whose summary wins over an untrusted first one (a conflict)."""
         self.geometries: dict[str, Geometry] = {}
         self.max_models = max_models
         self.seqs = PublisherSeqs(max_publishers)
@@ -269,12 +277,22 @@ class SignatureState:
             entries.append((block.block_hash, entry))
         if known is None:
             self.geometries[batch.model] = geometry
-        new = 0
+        outcomes: Counter[str] = Counter()
+        trusted = batch.worker_id in self.trusted_writers
         for block_hash, entry in entries:
-            if self.cache.put(batch.model, block_hash, entry):
-                new += 1
+            outcome = self.cache.put_from(
+                batch.model, block_hash, entry, writer=batch.worker_id, trusted=trusted
+            )
+            outcomes[outcome] += 1
             self.waiters.arrived((batch.model, block_hash))
-        return IngestResult(seq, None, n_blocks, new)
+        return IngestResult(
+            seq,
+            None,
+            n_blocks,
+            outcomes["new"],
+            blocks_conflicting=outcomes["conflict"] + outcomes["trusted"],
+            blocks_trusted=outcomes["trusted"],
+        )
 
     def missing_keys(self, model: str, block_hashes: Sequence[int]) -> set[BlockKey]:
         """The request's blocks not cached now (no effect on recency or hit counters)."""
@@ -322,7 +340,13 @@ class SignatureState:
             partial_block = SparseBlock(
                 idx=partial.indices(), val=partial.values(), dim=n_layers * n_experts
             )
-        assembly = self.cache.assemble(request.model, hashes, n_layers * n_experts, partial_block)
+        assembly = self.cache.assemble(
+            request.model,
+            hashes,
+            n_layers * n_experts,
+            partial_block,
+            writer=request.prefill_worker,
+        )
         n_missing = len(assembly.missing)
         if n_missing == 0:
             outcome = Outcome.COMPLETE

@@ -747,6 +747,7 @@ def _response_sources(s: GatewaySettings, prefills: list[str]) -> dict[str, Resp
         block_size=s.gateway_block_size,
         geometry=geometry,
         layers=layers,
+        hash_key=s.block_hash_key_bytes(),
     )
 
 

@@ -7,11 +7,11 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from eldr.settings import CommonSettings
+from eldr.settings import BlockHashSettings, CommonSettings
 from eldr.vllm.pd import parse_instances
 
 
-class GatewaySettings(CommonSettings):
+class GatewaySettings(CommonSettings, BlockHashSettings):
     gateway_host: str = Field(default="0.0.0.0", description="Address the OpenAI API binds.")
     gateway_port: int = Field(
         default=8000,

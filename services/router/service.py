@@ -506,6 +506,7 @@ class RouterService:
                     block_hashes=block_hashes,
                     partial=partial,
                     wait_ms=self.settings.assemble_wait_ms,
+                    prefill_worker=msg.prefill_worker,
                 ),
                 AssembleReply,
                 timeout_s=self.settings.signature_timeout_s,

@@ -92,6 +92,16 @@ class SignatureMetrics:
         )
         for reason in RejectReason:
             self.batches_rejected.labels(reason.value)
+        self.block_conflicts = Counter(
+            "eldr_signature_block_conflicts_total",
+            "Block summaries that differ from the one cached for their block (another "
+            "writer's claim): own = kept for their writer's requests only; trusted = a "
+            "trusted writer's, which replaced an untrusted one for everyone.",
+            ["outcome"],
+            registry=registry,
+        )
+        for outcome in ("own", "trusted"):
+            self.block_conflicts.labels(outcome)
         self.seq_gaps = Counter(
             "eldr_signature_publisher_seq_gaps_total",
             "Batches skipped in publishers' sequence numbers (lost, expired or malformed).",
@@ -174,6 +184,11 @@ class _StateCollector:
             value=cache.evictions,
         )
         yield GaugeMetricFamily(
+            "eldr_signature_cache_own_entries",
+            "Writers' own block summaries held beside the shared ones (they disagreed).",
+            value=cache.own_entries,
+        )
+        yield GaugeMetricFamily(
             "eldr_signature_models", "Models with a known geometry.", value=len(state.geometries)
         )
         yield GaugeMetricFamily(
@@ -204,6 +219,7 @@ class Replica:
             settings.cache_max_bytes,
             max_models=settings.max_models,
             limits=settings.geometry_limits(),
+            trusted_writers=frozenset(settings.trusted_block_writers),
         )
         self.metrics = SignatureMetrics(registry)
         self.collector = _StateCollector(self.state, None)
@@ -238,6 +254,20 @@ class Replica:
                 f"{result.detail}",
             )
         metrics.blocks_received.inc(result.blocks)
+        if result.blocks_conflicting:
+            metrics.block_conflicts.labels("own").inc(
+                result.blocks_conflicting - result.blocks_trusted
+            )
+            metrics.block_conflicts.labels("trusted").inc(result.blocks_trusted)
+            log.warning(
+                "blocks from %s seq %d: %d summaries differ from the cached ones (kept as %s; "
+                "%d replaced them as a trusted writer's)",
+                batch.worker_id,
+                batch.seq,
+                result.blocks_conflicting,
+                batch.worker_id,
+                result.blocks_trusted,
+            )
 
     async def on_assemble(self, request: AssembleRequest) -> AssembleReply:
         state, metrics = self.state, self.metrics

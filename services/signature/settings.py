@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Annotated
+
+from pydantic import Field, field_validator
+from pydantic_settings import NoDecode
 
 from eldr.settings import CommonSettings, GeometrySettings
 from eldr.wire.base import MAX_WAIT_MS
@@ -32,9 +35,22 @@ class SignatureSettings(CommonSettings, GeometrySettings):
         description="Distinct models whose geometry is remembered; batches of further models "
         "are rejected (bounds memory against a misbehaving producer).",
     )
+    trusted_block_writers: Annotated[tuple[str, ...], NoDecode] = Field(
+        default=(),
+        description="Prefill workers (or gateways publishing from routed experts) whose "
+        "block summaries win over an untrusted writer's for everyone, comma-separated. "
+        "Whatever this says, a writer's own summary is what its own requests assemble.",
+    )
     assemble_max_concurrency: int = Field(
         default=256,
         gt=0,
         description="Assemble requests handled at once by one replica (each waiting request "
         "holds a slot); more queue in the NATS subscription.",
     )
+
+    @field_validator("trusted_block_writers", mode="before")
+    @classmethod
+    def _split_writers(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(w.strip() for w in value.split(",") if w.strip())
+        return value

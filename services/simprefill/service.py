@@ -88,6 +88,7 @@ def replay_config(settings: SimPrefillSettings) -> ReplayConfig:
         job_timeout_s=settings.simprefill_job_timeout_s,
         send_jobs=settings.simprefill_send_jobs,
         max_in_flight=settings.simprefill_max_in_flight,
+        block_hash_key=settings.block_hash_key_bytes(),
     )
 
 

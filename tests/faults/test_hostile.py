@@ -810,3 +810,57 @@ async def test_a_forged_fleet_does_not_hang_the_trainer(bus: Bus, tmp_path: Path
     assert code == 0, output[-3000:]
     assert exit_s < 5
     assert "cancelled: the trainer is stopping" in output
+
+
+# --- finding 7: cache poisoning -----------------------------------------------------------
+
+
+async def test_one_prefill_worker_cannot_poison_a_prefix_for_the_others(
+    bus: Bus, tmp_path: Path
+) -> None:
+    """Worker "evil" publishes a consistent but false summary of a common prefix block
+    before worker pw0 computes it. Before, the first write won for everyone: pw0's request
+    that hit the block in its prefix cache was routed on evil's counts. Now pw0's own
+    summary is what pw0's requests assemble (and, pw0 being a trusted writer, what
+    everyone else gets); evil's claim shapes only evil's own requests."""
+    truth = np.zeros((L, E))
+    truth[:, 3] = 16
+    poison = np.zeros((L, E))
+    poison[:, 0] = 16
+    async with (
+        reporting(bus, ["d0", "d1"]),
+        service("signature", bus.settings, tmp_path, ELDR_TRUSTED_BLOCK_WRITERS="pw0") as signature,
+        service("router", bus.settings, tmp_path, ELDR_STALE_AFTER_S="2"),
+    ):
+        await bus.js_publish(bus.subjects.blocks("evil"), _batch("evil", 0, poison, 16))
+        await bus.js_publish(bus.subjects.blocks("pw0"), _batch("pw0", 0, truth, 16))
+        tail = computed([5], tokens=4)
+        hit = prefill_done(
+            "poison-pw0",
+            prefill_worker="pw0",
+            block_hashes=[1234],
+            n_prompt_tokens=20,
+            cached_prefix_blocks=1,
+            computed=tail,
+        )
+        await send(bus, hit)
+        evil_hit = msgspec.structs.replace(hit, request_id="poison-evil", prefill_worker="evil")
+        await send(bus, evil_hit)
+        other = msgspec.structs.replace(hit, request_id="poison-other", prefill_worker="pw1")
+        await send(bus, other)
+        records = await decided(bus, ["poison-pw0", "poison-evil", "poison-other"])
+        conflicts = signature.metric("eldr_signature_block_conflicts_total")
+    expected = truth + tail.to_dense()
+    got = {rid: ds[0].signature for rid, ds in records.decisions.items()}
+    assert all(s is not None for s in got.values())
+    print(
+        f"\npoisoning: {conflicts:.0f} conflicting summary kept apart; pw0's request got the "
+        f"true counts, pw1's too (pw0 trusted), evil's its own claim"
+    )
+    np.testing.assert_array_equal(got["poison-pw0"].to_dense(), expected)  # type: ignore[union-attr]
+    np.testing.assert_array_equal(got["poison-other"].to_dense(), expected)  # type: ignore[union-attr]
+    np.testing.assert_array_equal(
+        got["poison-evil"].to_dense(),  # type: ignore[union-attr]
+        poison + tail.to_dense(),
+    )
+    assert conflicts == 1

@@ -233,3 +233,54 @@ def test_signed_indices_are_refused() -> None:
 def test_non_positive_budget_is_refused() -> None:
     with pytest.raises(ValueError, match="positive"):
         BlockCache(0)
+
+
+# --- who wrote what (issue 15, finding 7) --------------------------------------------------
+
+
+def _block(cells: dict[int, int], dim: int = 8) -> SparseBlock:
+    idx = np.array(sorted(cells), dtype=np.uint32)
+    return SparseBlock(idx=idx, val=np.array([cells[i] for i in sorted(cells)], np.uint16), dim=dim)
+
+
+def test_a_first_writer_cannot_pre_empt_another_writers_truth() -> None:
+    cache = BlockCache(1 << 20)
+    poison, truth = _block({0: 16}), _block({5: 16})
+    assert cache.put_from("m", 1, poison, writer="evil") == "new"
+    assert cache.put_from("m", 1, truth, writer="honest") == "conflict"
+    assert cache.put_from("m", 1, truth, writer="honest") == "known"
+    assert (cache.conflicts, cache.own_entries) == (1, 1)
+    honest = cache.assemble("m", [1], 8, writer="honest").counts
+    assert honest.tolist() == [0, 0, 0, 0, 0, 16, 0, 0]
+    assert cache.assemble("m", [1], 8, writer="evil").counts[0] == 16  # its own, only
+
+
+def test_a_later_claim_does_not_overwrite_the_first() -> None:
+    cache = BlockCache(1 << 20)
+    truth, poison = _block({5: 16}), _block({0: 16})
+    cache.put_from("m", 1, truth, writer="honest")
+    assert cache.put_from("m", 1, poison, writer="evil") == "conflict"
+    assert cache.assemble("m", [1], 8).counts[5] == 16  # everyone else keeps the truth
+    assert cache.assemble("m", [1], 8, writer="other").counts[5] == 16
+
+
+def test_a_trusted_writer_replaces_an_untrusted_first_summary_for_everyone() -> None:
+    cache = BlockCache(1 << 20)
+    poison, truth = _block({0: 16}), _block({5: 16})
+    cache.put_from("m", 1, poison, writer="evil")
+    assert cache.put_from("m", 1, truth, writer="pw0", trusted=True) == "trusted"
+    assert cache.assemble("m", [1], 8).counts[5] == 16
+    assert cache.assemble("m", [1], 8, writer="evil").counts[0] == 16
+    # An untrusted writer cannot take it back.
+    assert cache.put_from("m", 1, _block({2: 16}), writer="evil2") == "conflict"
+    assert cache.assemble("m", [1], 8).counts[5] == 16
+
+
+def test_own_summaries_count_against_the_byte_budget() -> None:
+    one = stored_nbytes(_block({0: 16}))
+    cache = BlockCache(3 * one)
+    cache.put_from("m", 1, _block({0: 16}), writer="a")
+    for i, writer in enumerate(("b", "c", "d")):
+        cache.put_from("m", 1, _block({i + 1: 16}), writer=writer)
+    assert cache.bytes_used <= 3 * one
+    assert cache.own_entries == len(cache) - ((("m", 1)) in cache)

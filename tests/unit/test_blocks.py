@@ -6,6 +6,7 @@ import hashlib
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from eldr.core.blocks import (
     block_top_k,
     from_sparse,
     hash_chain,
+    hash_key_from_secret,
     stand_in_token_ids,
     sum_summaries,
     summarize_blocks,
@@ -352,3 +354,30 @@ def test_block_top_k_names_what_is_wrong() -> None:
     assert block_top_k(idx, np.array([5, 5], dtype=np.uint16), 2, 8, 4)[1].startswith(
         "a cell counts 5"
     )
+
+
+def test_a_keyed_hash_differs_and_the_empty_key_is_the_unkeyed_hash() -> None:
+    tokens = np.arange(32)
+    key = hash_key_from_secret(b"deployment secret")
+    assert len(key) == 32
+    assert hash_chain(tokens, 16, key=b"") == hash_chain(tokens, 16)
+    keyed = hash_chain(tokens, 16, key=key)
+    assert keyed != hash_chain(tokens, 16)
+    assert keyed != hash_chain(tokens, 16, key=hash_key_from_secret(b"another secret"))
+    assert keyed == hash_chain(tokens, 16, key=hash_key_from_secret(b"deployment secret"))
+    full, _ = summarize_blocks(tokens, np.zeros((32, 1, 1), np.int16), 16, 4, key=key)
+    assert [b.block_hash for b in full] == keyed
+    with pytest.raises(ValueError, match="at most 64 bytes"):
+        block_hash(None, tokens[:16], b"k" * 65)
+
+
+def test_the_block_hash_key_comes_from_a_secret_or_a_file(tmp_path: Path) -> None:
+    from eldr.settings import BlockHashSettings
+
+    assert BlockHashSettings().block_hash_key_bytes() == b""
+    (tmp_path / "key").write_text("s3cret\n")
+    from_file = BlockHashSettings(block_hash_key_file=tmp_path / "key")
+    from_env = BlockHashSettings(block_hash_key="s3cret")
+    assert from_file.block_hash_key_bytes() == from_env.block_hash_key_bytes()
+    assert from_env.block_hash_key_bytes() == hash_key_from_secret(b"s3cret")
+    assert "s3cret" not in repr(from_env)

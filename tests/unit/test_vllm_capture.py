@@ -208,3 +208,16 @@ def test_chunked_interleaved_prefill_assembles_the_exact_signature(
 )
 def test_client_request_id_is_recovered_from_vllm_ids(engine_id: str, client_id: str) -> None:
     assert client_request_id(engine_id) == client_id
+
+
+def test_block_hashes_are_keyed_with_the_deployment_key_and_the_deadline_travels() -> None:
+    from eldr.core.blocks import hash_chain, hash_key_from_secret
+
+    key = hash_key_from_secret(b"deployment")
+    s = CaptureState(CaptureConfig("prefill-0", "m", 4, GEOMETRY, hash_key=key))
+    tokens, ids = prompt(10)
+    s.add_request("e1", tokens, 0, 0.0, request_id="r1", decision_budget_s=0.25)
+    (done,) = run_one_step(s, "e1", ids, 0).done
+    assert done.block_hashes == hash_chain(tokens, 4, key=key)
+    assert done.block_hashes != hash_chain(tokens, 4)
+    assert done.deadline_s == pytest.approx(100.0 + 0.25)  # the step's wall clock + budget

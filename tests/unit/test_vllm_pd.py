@@ -181,3 +181,12 @@ def test_undelivered_assignments_expire() -> None:
     assert tracker.admitted(load(0), 5.0) == []
     assert len(tracker) == 0
     assert tracker.admitted(load(1), 5.1) == []
+
+
+def test_the_prefill_request_carries_the_gateways_decision_budget() -> None:
+    from eldr.vllm.pd import XARG_DECISION_BUDGET, prefill_body
+
+    body = {"prompt": "x", "vllm_xargs": {XARG_DECISION_BUDGET: 999}}
+    assert prefill_body(body, "r", "_INBOX.x", 0.25)["vllm_xargs"][XARG_DECISION_BUDGET] == 0.25
+    # Only the gateway sets it: a client's own value does not reach the engine.
+    assert XARG_DECISION_BUDGET not in prefill_body(body, "r", "_INBOX.x")["vllm_xargs"]

@@ -112,6 +112,7 @@ def canonical_messages() -> dict[type[Message], Message]:
             block_hashes=[2**64 - 1, 12345],
             partial=counts,
             wait_ms=20,
+            prefill_worker="prefill-0",
         ),
         AssembleReply: AssembleReply(
             request_id="req-1",

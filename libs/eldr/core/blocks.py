@@ -17,6 +17,12 @@ process and on every machine. It is a personalised BLAKE2b (8-byte digest) over
 with tag 0 meaning "first block, no parent" and tag 1 meaning "parent follows". The tag makes
 "no parent" distinct from every parent value, including 0. Hashes are unsigned ints in
 [0, 2**64).
+
+The hash may be keyed with a deployment secret (`key`, BLAKE2b's own keyed mode, as vLLM
+salts its prefix hashes): then a block hash reveals nothing about its tokens to whoever
+reads the streams (no dictionary of common prompts), and only holders of the key can
+compute the hash of a given prefix. Every producer of one deployment must use the same
+key (`eldr.settings.BlockHashSettings`); the empty key is the unkeyed hash.
 """
 
 from __future__ import annotations
@@ -64,13 +70,32 @@ def _token_bytes(token_ids: npt.ArrayLike) -> bytes:
     return arr.astype("<u4", copy=False).tobytes()
 
 
-def block_hash(parent: int | None, token_ids: npt.ArrayLike) -> int:
-    """Chained 64-bit hash of one block: identical in every process and on every machine.
+MAX_HASH_KEY_BYTES = 64
+"""BLAKE2b keys are at most 64 bytes."""
+
+
+HASH_KEY_PERSON = b"eldr.hashkey.v1"
+"""BLAKE2b personalisation deriving a block-hash key from a deployment secret."""
+
+
+def hash_key_from_secret(secret: bytes) -> bytes:
+    """The 32-byte block-hash key of a deployment secret (any length; empty: no key)."""
+    if not secret:
+        return b""
+    return hashlib.blake2b(secret, digest_size=32, person=HASH_KEY_PERSON).digest()
+
+
+def block_hash(parent: int | None, token_ids: npt.ArrayLike, key: bytes = b"") -> int:
+    """Chained 64-bit hash of one block: identical in every process and on every machine
+    that uses the same `key`.
 
     parent: the previous block's hash, or None for the first block of a sequence.
-    token_ids: the block's token ids, each in [0, 2**32).
+    token_ids: the block's token ids, each in [0, 2**32). key: the deployment's block-hash
+    key (at most 64 bytes; empty: unkeyed).
     """
-    h = hashlib.blake2b(digest_size=8, person=BLOCK_HASH_PERSON)
+    if len(key) > MAX_HASH_KEY_BYTES:
+        raise ValueError(f"a block-hash key has at most {MAX_HASH_KEY_BYTES} bytes")
+    h = hashlib.blake2b(digest_size=8, person=BLOCK_HASH_PERSON, key=key)
     if parent is None:
         h.update(_NO_PARENT_TAG)
     else:
@@ -92,11 +117,13 @@ def _check_block_size(block_size: int) -> None:
         raise ValueError(f"block_size must be positive, got {block_size}")
 
 
-def hash_chain(token_ids: npt.ArrayLike, block_size: int, parent: int | None = None) -> list[int]:
+def hash_chain(
+    token_ids: npt.ArrayLike, block_size: int, parent: int | None = None, *, key: bytes = b""
+) -> list[int]:
     """Hashes of the FULL blocks of a token sequence, each chained to the one before.
 
     A trailing partial block is never hashed. `parent` continues an existing chain (None
-    starts a new sequence).
+    starts a new sequence); `key` as for `block_hash`.
     """
     _check_block_size(block_size)
     arr = np.asarray(token_ids)
@@ -105,7 +132,7 @@ def hash_chain(token_ids: npt.ArrayLike, block_size: int, parent: int | None = N
     hashes: list[int] = []
     prev = parent
     for start in range(0, arr.shape[0] - block_size + 1, block_size):
-        prev = block_hash(prev, arr[start : start + block_size])
+        prev = block_hash(prev, arr[start : start + block_size], key)
         hashes.append(prev)
     return hashes
 
@@ -135,8 +162,10 @@ def summarize_blocks(
     prefill_ids: np.ndarray,
     block_size: int,
     num_experts: int,
+    *,
+    key: bytes = b"",
 ) -> tuple[list[BlockSummary], BlockSummary | None]:
-    """Cut a prefill into KV blocks and count experts per block.
+    """Cut a prefill into KV blocks and count experts per block (hashes keyed with `key`).
 
     token_ids: [prompt_tokens] prompt token ids; prefill_ids: int [prompt_tokens, moe_layers,
     top_k] routed expert ids. Returns (full blocks in order, trailing partial block or None).
@@ -169,7 +198,7 @@ def summarize_blocks(
     n_full = n_tokens // block_size
     for b in range(n_full):
         lo, hi = b * block_size, (b + 1) * block_size
-        h = block_hash(parent, tokens[lo:hi])
+        h = block_hash(parent, tokens[lo:hi], key)
         counts = expert_counts(prefill_ids[lo:hi], num_experts).astype(COUNT_DTYPE)
         full.append(BlockSummary(b, h, parent, block_size, counts))
         parent = h

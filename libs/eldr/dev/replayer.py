@@ -100,6 +100,8 @@ class ReplayConfig:
     publish_finished: bool = True
     """Publish a `RequestFinished` per request, as the gateway does (the finish signal the
     routers and the trainer rely on); the gateway id is `prefill_worker`."""
+    block_hash_key: bytes = b""
+    """The deployment's block-hash key (`eldr.settings.BlockHashSettings`; empty: unkeyed)."""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -311,7 +313,11 @@ class TraceReplayer:
         trace = self.traces.traces[index]
         geometry = self.traces.geometry
         full, partial = summarize_blocks(
-            trace_token_ids(trace), trace.prefill, self.config.block_size, geometry.num_experts
+            trace_token_ids(trace),
+            trace.prefill,
+            self.config.block_size,
+            geometry.num_experts,
+            key=self.config.block_hash_key,
         )
         blocks = [
             BlockSummaryMsg(

@@ -69,6 +69,8 @@ class CaptureConfig:
     """Model name the block cache is keyed by (identical on every prefill worker)."""
     block_size: int
     geometry: Geometry
+    hash_key: bytes = b""
+    """The deployment's block-hash key (`eldr.settings.BlockHashSettings`; empty: unkeyed)."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -399,7 +401,7 @@ class CaptureState:
         if n_prompt == 0 or num_computed_tokens >= n_prompt:
             return None
         bs = self.config.block_size
-        hashes = hash_chain(tokens, bs)
+        hashes = hash_chain(tokens, bs, key=self.config.hash_key)
         cached = _cached_blocks(num_computed_tokens, n_prompt, bs)
         capture_attrs = dict(attrs or {})
         if num_computed_tokens > cached * bs:

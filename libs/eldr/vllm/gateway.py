@@ -128,11 +128,15 @@ def response_sources(
     block_size: int,
     geometry: Geometry,
     layers: LayerMap | None = None,
+    hash_key: bytes = b"",
 ) -> dict[str, ResponseSource]:
     """Per prefill instance, the source that turns its responses' routed experts into
-    block summaries and a PrefillDone published under that instance's id."""
+    block summaries and a PrefillDone published under that instance's id (block hashes
+    keyed with the deployment's `hash_key`)."""
     return {
-        name: ResponseSource(CaptureConfig(name, model_key, block_size, geometry), layers)
+        name: ResponseSource(
+            CaptureConfig(name, model_key, block_size, geometry, hash_key=hash_key), layers
+        )
         for name in prefills
     }
 

@@ -263,7 +263,13 @@ class CaptureHook:
         self.geometry = geometry
         if states.prefill == "ok":
             self.prefill = CaptureState(
-                CaptureConfig(settings.vllm_worker_id, self.model_name, self.block_size, geometry)
+                CaptureConfig(
+                    settings.vllm_worker_id,
+                    self.model_name,
+                    self.block_size,
+                    geometry,
+                    hash_key=settings.block_hash_key_bytes(),
+                )
             )
         if states.decode == "ok":
             self._start_decode_profiles(runner, geometry)

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from eldr.settings import BusSettings
+from eldr.settings import BlockHashSettings, BusSettings
 
 
 def _default_worker_id() -> str:
@@ -17,7 +17,7 @@ def _default_worker_id() -> str:
     return f"prefill-{host}"
 
 
-class CaptureSettings(BusSettings):
+class CaptureSettings(BusSettings, BlockHashSettings):
     """The plugin loads in every vLLM process; it does nothing unless `vllm_capture` is on
     (on prefill instances for signatures, on decode instances for decode profiles)."""
 

@@ -204,7 +204,7 @@ class PrefillDone(Message, frozen=True, kw_only=True, tag="prefill_done"):
 # --- signature assembly (core request/reply on {ns}.sig.assemble) ------------------------
 
 
-class AssembleRequest(Message, frozen=True, tag="assemble_request"):
+class AssembleRequest(Message, frozen=True, kw_only=True, tag="assemble_request"):
     """Router -> signature service: sum the cached counts of these blocks (plus `partial`)."""
 
     request_id: Ident
@@ -214,6 +214,11 @@ class AssembleRequest(Message, frozen=True, tag="assemble_request"):
     partial: SparseCounts | None
     wait_ms: Annotated[int, msgspec.Meta(ge=0, le=MAX_WAIT_MS)]
     """How long the service may wait for summaries still in flight before answering."""
+    prefill_worker: Token | None = None
+    """The request's prefill worker: where its own summary of a block differs from the
+    one cached for everyone, its own is used (`eldr.core.blockcache`). None: the shared
+    summaries. v2."""
+    v: Version = 2
 
 
 class AssembleReply(Message, frozen=True, tag="assemble_reply"):
