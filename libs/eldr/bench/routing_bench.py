@@ -27,6 +27,12 @@ The benchmark follows the paper's method on recorded expert traces:
    summary keeps the highest rate at which no baseline saturates, with whether the default
    meets issue 8's bar (union at least 15% lower, TPOT P50 lower, P99 no higher).
 
+6. again for the baselines, the default and the paper's rule, with the information a live
+   router has (`eldr.sim.information.LIVE_DEFAULTS`: two router replicas, load reports
+   every 100 ms, decisions and finishes seen after their hops), each against the best
+   baseline under the same information, and each policy's change from perfect to live
+   information: a policy that wins only with perfect information shows as such.
+
 `--variants` adds the tail-safe variants studied (the paper's rule balancing KV tokens,
 the load-bounded band, the cost-aware policy with a partition bonus); `--scenario drift`
 and `--scenario churn` run the online benchmarks instead (`eldr.bench.online_bench`).
@@ -79,6 +85,8 @@ from eldr.sim.cluster import (
     simulate,
     worker_name,
 )
+from eldr.sim.information import LIVE_DEFAULTS, InformationModel
+from eldr.sim.information import describe as describe_information
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +171,9 @@ class BenchConfig:
     """Keep copies of one request apart (False: draw with replacement, as before issue 17)."""
     offline_bound: bool = True
     """Search the offline reference on the primary profile's arrivals (needs the default)."""
+    information: InformationModel | None = LIVE_DEFAULTS
+    """Also run the baselines, the default and the paper's rule with what a live router
+    knows (primary profile only); None: perfect information only."""
 
 
 @dataclass
@@ -359,8 +370,10 @@ def run_policy(
     config: BenchConfig,
     arrivals: np.ndarray,
     policy: Policy | None = None,
+    information: InformationModel | None = None,
 ) -> SimResult:
-    """Simulate one policy (`policy` overrides `spec`'s) on the given arrivals."""
+    """Simulate one policy (`policy` overrides `spec`'s) on the given arrivals, with
+    perfect information or `information`'s delays."""
     policy = policy or make_policy(spec)
     scores: np.ndarray | None = None
     if spec.name == "oracle":
@@ -384,7 +397,19 @@ def run_policy(
         union_slots=geometry.signature_dim,
         scores=scores,
         demands=prepared.demands(policy) if policy.uses_activity else None,
+        information=information,
     )
+
+
+INFORMATION_POLICIES: tuple[str, ...] = (*BASELINES, DEFAULT_POLICY, PAPER_POLICY)
+"""The policies `eldr bench` also runs with a live router's information."""
+LIVE = "live"
+PERFECT = "perfect"
+
+
+def live_lineup(lineup: Sequence[BenchPolicy]) -> list[BenchPolicy]:
+    """The lineup's policies that are run again with live information."""
+    return [bp for bp in lineup if bp.label in INFORMATION_POLICIES]
 
 
 class FixedAssignment(Policy):
@@ -457,7 +482,7 @@ def _row(
         draw.requests, res.worker_of, res.assigned_s, res.finished_s, measured_from
     )
     tokens = float(res.batch_steps.sum())
-    return {
+    row: dict[str, Any] = {
         "policy": label,
         "profile": profile,
         "rate": res.arrival_rate_per_s,
@@ -477,6 +502,12 @@ def _row(
         "fallbacks": dict(res.fallbacks),
         "params": params,
     }
+    if res.view_error.size:
+        row["information"] = LIVE
+        row["view_in_flight_error_mean"] = round(float(res.view_error.mean()), 4)
+        if res.activity_excess.size:
+            row["activity_excess_mean"] = round(float(res.activity_excess.mean()), 3)
+    return row
 
 
 def _spec_row(res: SimResult, bp: BenchPolicy, profile: str, draw: ArrivalDraw) -> dict[str, Any]:
@@ -604,10 +635,16 @@ def summarize(
     profile: str,
     arrivals_by_rate: dict[float, dict[str, Any]] | None = None,
     targets_by_rate: dict[float, float] | None = None,
+    information: str = PERFECT,
 ) -> dict[str, Any]:
     """A summary row per rate (`by_target`), and at the top level the row of the highest
-    rate at which no baseline saturates (the keys `eldr bench` has always reported)."""
-    rows = [r for r in results if r["profile"] == profile]
+    rate at which no baseline saturates (the keys `eldr bench` has always reported).
+    `information`: summarise the perfect-information rows or the live-information ones."""
+    rows = [
+        r
+        for r in results
+        if r["profile"] == profile and r.get("information", PERFECT) == information
+    ]
     rates = sorted({r["rate"] for r in rows})
     by_target = [
         summarize_rate(
@@ -627,6 +664,37 @@ def summarize(
             "by_target": by_target,
         }
     return {**ok[-1], "by_target": by_target}
+
+
+def information_effect(results: Sequence[dict[str, Any]], profile: str) -> list[dict[str, Any]]:
+    """Per rate and policy run both ways: union, P50 and P99 with live information against
+    the same policy with perfect information (percent; positive = worse live)."""
+    perfect = {
+        (r["rate"], r["policy"]): r
+        for r in results
+        if r["profile"] == profile and r.get("information", PERFECT) == PERFECT
+    }
+    out = []
+    for r in results:
+        if r["profile"] != profile or r.get("information") != LIVE:
+            continue
+        p = perfect.get((r["rate"], r["policy"]))
+        if p is None:
+            continue
+        out.append(
+            {
+                "rate": r["rate"],
+                "policy": r["policy"],
+                "union_pct": _pct(r["expert_union_mean"], p["expert_union_mean"]),
+                "tpot_p50_pct": _pct(r["tpot_p50_ms"], p["tpot_p50_ms"]),
+                "tpot_p99_pct": _pct(r["tpot_p99_ms"], p["tpot_p99_ms"]),
+                "imbalance_perfect": p["imbalance"],
+                "imbalance_live": r["imbalance"],
+                "view_in_flight_error_mean": r.get("view_in_flight_error_mean"),
+                "activity_excess_mean": r.get("activity_excess_mean"),
+            }
+        )
+    return out
 
 
 def run_bench(
@@ -675,6 +743,20 @@ def run_bench(
                     results[-1]["tpot_p99_ms"],
                     results[-1]["expert_union_mean"],
                 )
+            if cost is primary and config.information is not None:
+                for bp in live_lineup(lineup):
+                    progress.describe(f"{rate:.0f} req/s {bp.label} (live information)")
+                    res = run_policy(
+                        prepared,
+                        bp.spec,
+                        cost,
+                        rate,
+                        config,
+                        draw.requests,
+                        information=config.information,
+                    )
+                    results.append(_spec_row(res, bp, cost.name, draw))
+                    progress.advance()
             if cost is primary and config.offline_bound and default_res is not None:
                 progress.describe(f"{rate:.0f} req/s offline bound")
                 res, info = search_offline_bound(prepared, cost, rate, config, draw, default_res)
@@ -739,6 +821,24 @@ def run_bench(
             summarize(results, p.name, arrivals_by_profile[p.name], targets_by_profile.get(p.name))
             for p in profiles[1:]
         ],
+        **(
+            {}
+            if config.information is None
+            else {
+                "live_information": {
+                    "model": config.information.as_dict(),
+                    "description": describe_information(config.information),
+                    "summary": summarize(
+                        results,
+                        primary.name,
+                        arrivals_by_profile[primary.name],
+                        targets_by_profile.get(primary.name),
+                        information=LIVE,
+                    ),
+                    "versus_perfect": information_effect(results, primary.name),
+                }
+            }
+        ),
         "wall_s": round(time.perf_counter() - started, 2),
     }
 
@@ -748,7 +848,14 @@ def bench_steps(config: BenchConfig, num_rates: int) -> int:
     profiles = 1 + len(config.whatif_profiles)
     lineup = len(policy_lineup(config.policies, config.tau, config.load_measure, config.variants))
     bound = 1 if config.offline_bound and DEFAULT_POLICY in config.policies else 0
-    return num_rates * (profiles * lineup + bound)
+    live = 0
+    if config.information is not None:
+        live = len(
+            live_lineup(
+                policy_lineup(config.policies, config.tau, config.load_measure, config.variants)
+            )
+        )
+    return num_rates * (profiles * lineup + bound + live)
 
 
 def _profile_info(cost: CostProfile) -> dict[str, Any]:
@@ -856,8 +963,9 @@ def format_table(result: dict[str, Any]) -> str:
         f"{'sat':>4}",
     ]
     for r in result["results"]:
+        label = r["policy"] + (" [live]" if r.get("information") == LIVE else "")
         lines.append(
-            f"{r['profile']:<36} {r['rate']:>7.1f} {r['policy']:<20} {r['tpot_p50_ms']:>8.3f} "
+            f"{r['profile']:<36} {r['rate']:>7.1f} {label:<20} {r['tpot_p50_ms']:>8.3f} "
             f"{r['tpot_p95_ms']:>8.3f} {r['tpot_p99_ms']:>8.3f} {r['expert_union_mean']:>7.3f} "
             f"{r['expert_union_per_token']:>7.4f} {r['batch_mean']:>6.2f} "
             f"{r['imbalance']:>6.2f} {100 * r['copies_same_worker_share']:>5.1f}% "
@@ -865,11 +973,31 @@ def format_table(result: dict[str, Any]) -> str:
         )
     lines.append(
         "(union: distinct experts per MoE layer per step; /token: per decode token; copy: "
-        "requests that decoded next to an identical copy on their worker)"
+        "requests that decoded next to an identical copy on their worker; [live]: with a "
+        "live router's information)"
     )
     for s in [result["summary"], *result.get("whatif_summaries", [])]:
         lines.append("")
         lines.extend(format_summary(s))
+    live = result.get("live_information")
+    if live:
+        lines.append("")
+        lines.append(f"WITH LIVE INFORMATION ({live['description']}):")
+        lines.extend(format_summary(live["summary"]))
+        lines.append("  live against perfect information, same policy (positive = worse live):")
+        lines.append(
+            f"    {'rate':>7} {'policy':<14} {'union':>7} {'P50':>7} {'P99':>7} "
+            f"{'imbal':>11} {'load error':>10} {'activity +':>10}"
+        )
+        for e in live["versus_perfect"]:
+            act = e.get("activity_excess_mean")
+            lines.append(
+                f"    {e['rate']:>7.1f} {e['policy']:<14} {_signed(e['union_pct'], 2):>7} "
+                f"{_signed(e['tpot_p50_pct'], 2):>7} {_signed(e['tpot_p99_pct'], 2):>7} "
+                f"{e['imbalance_perfect']:>5.2f}>{e['imbalance_live']:<5.2f} "
+                f"{e['view_in_flight_error_mean'] or 0:>10.2f} "
+                f"{'-' if act is None else f'{act:.1f}':>10}"
+            )
     lines.append(f"wall time {result['wall_s']} s")
     return "\n".join(lines)
 
@@ -882,7 +1010,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     profile = result["input"]["cost_profile"]["name"]
-    rows = [r for r in result["results"] if r["profile"] == profile]
+    rows = [
+        r
+        for r in result["results"]
+        if r["profile"] == profile and r.get("information", PERFECT) == PERFECT
+    ]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for policy in dict.fromkeys(r["policy"] for r in rows):
         pr = sorted((r for r in rows if r["policy"] == policy), key=lambda r: r["rate"])
@@ -1006,6 +1138,24 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="skip the offline reference (the local search over balanced assignments)",
     )
+    p.add_argument(
+        "--no-live-information",
+        action="store_true",
+        help="skip the runs with a live router's information (perfect information only)",
+    )
+    p.add_argument(
+        "--report-interval",
+        type=float,
+        default=LIVE_DEFAULTS.report_interval_s,
+        help="load-report period of the live-information runs, seconds (default "
+        f"{LIVE_DEFAULTS.report_interval_s:g}: simdecode's; the vLLM decode adapter's is 0.5)",
+    )
+    p.add_argument(
+        "--routers",
+        type=int,
+        default=LIVE_DEFAULTS.routers,
+        help=f"router replicas of the live-information runs (default {LIVE_DEFAULTS.routers})",
+    )
     p.add_argument("--json", type=Path, help="write the result as JSON here")
     p.add_argument("--plot", type=Path, help="write a PNG plot here (default: next to --json)")
     p.set_defaults(func=_main)
@@ -1105,6 +1255,13 @@ def _main(args: argparse.Namespace) -> int:
         variants=args.variants,
         arrivals_apart=not args.with_replacement,
         offline_bound=not args.no_offline_bound,
+        information=(
+            None
+            if args.no_live_information
+            else replace(
+                LIVE_DEFAULTS, report_interval_s=args.report_interval, routers=args.routers
+            )
+        ),
     )
     num_rates = len(config.rates) if config.rates else len(config.batch_targets)
     steps = bench_steps(config, num_rates) * (len(args.seeds) if args.seeds else 1)

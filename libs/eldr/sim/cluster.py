@@ -25,13 +25,20 @@ Beyond a fixed fleet (all optional; without them a run is what it always was):
   predicted per-step expert activity from the prefill-derived demand of its in-flight
   requests (`eldr.core.activity`), exactly what a live router derives from the decisions
   and profiles streams (`demands`, one per request).
+- **What the live router knows** (`information`, `eldr.sim.information`): load reports
+  every few hundred milliseconds, decisions counted after their commit and by the other
+  router replicas after a hop, finishes seen late, arrivals split between replicas, each
+  replica running the live router's own tables (`RouterCore`, `LoadTable`,
+  `ActivityTable`). Without it every decision sees the true fleet state at that instant.
+- **Given arrival times** (`arrival_times_s`): replay a recorded arrival sequence instead
+  of the seeded Poisson one (`eldr compare-live` replays the live run's times).
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -39,8 +46,19 @@ import numpy as np
 
 from eldr.core.activity import ActivityTable, ExpertDemand
 from eldr.core.costmodel import CostProfile
+from eldr.core.loadtable import Report
 from eldr.core.policies import FleetView, Policy
+from eldr.sim.information import (
+    InformationModel,
+    RouterReplica,
+    make_replicas,
+    split_arrivals,
+    view_errors,
+)
 from eldr.sim.worker import UnionCounter, flatten_decode_ids
+
+MAX_ADMITTED_IDS = 4096
+"""Most admitted ids a simulated load report carries (the wire's `MAX_ADMITTED`)."""
 
 __all__ = [
     "FleetEvent",
@@ -102,6 +120,9 @@ class SimConfig:
     seed: int = 0
     initial_workers: tuple[int, ...] | None = None
     """Worker slots live at time 0 (default: all `num_workers`)."""
+    count_drain: bool = False
+    """Count the steps after the last arrival too (the drain), as a live worker's
+    statistics do; default: only steps from the first measured to the last arrival."""
 
     def __post_init__(self) -> None:
         if self.num_workers <= 0:
@@ -208,6 +229,18 @@ class SimResult:
     """Worker slot -> when it left."""
     swaps: list[tuple[float, int]] = field(default_factory=list)
     """(time, version) of every partition swap applied."""
+    submitted_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    """Per arrival: when its job reached its worker (= `assigned_s` without information
+    delays); TPOT counts from here."""
+    replica_of: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """Per arrival: the router replica that routed it (all 0 without information delays)."""
+    view_error: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    """Per measured decision with information delays: mean |in-flight requests the replica
+    saw - true| over the live workers (stale load)."""
+    activity_excess: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """Per measured decision of an activity-using policy with information delays: entries
+    in the replica's activity table - requests truly in flight (finishes not yet seen,
+    minus decisions not yet seen)."""
 
     def union_between(self, start_s: float, end_s: float) -> float:
         """Mean expert union per MoE layer of the counted steps starting in [start, end)."""
@@ -267,6 +300,8 @@ def simulate(
     demands: Sequence[ExpertDemand] | None = None,
     timeline: Sequence[FleetEvent] = (),
     controller: SimController | None = None,
+    information: InformationModel | None = None,
+    arrival_times_s: np.ndarray | None = None,
 ) -> SimResult:
     """Run one simulation.
 
@@ -282,6 +317,10 @@ def simulate(
     that use worker activity.
     timeline: workers joining and leaving (see the module docstring); controller: called
     periodically, may swap the partition.
+    information: route through simulated router replicas that know what live ones know
+    (`eldr.sim.information`); None: perfect, instant fleet state (not combinable with a
+    timeline). arrival_times_s: seconds, non-decreasing, one per arrival (default: Poisson
+    at the configured rate and seed).
     """
     n_arr = int(arrival_requests.shape[0])
     if n_arr != config.num_arrivals:
@@ -296,7 +335,16 @@ def simulate(
     for ev in timeline:
         if any(not 0 <= slot < W for slot in (*ev.join, *ev.leave)):
             raise ValueError(f"fleet event at {ev.at_s} names a slot outside [0, {W})")
-    arrival_s = poisson_arrival_times_s(config.arrival_rate_per_s, n_arr, config.seed)
+    if information is not None and timeline:
+        raise ValueError("information delays are not modelled with a fleet timeline")
+    if arrival_times_s is None:
+        arrival_s = poisson_arrival_times_s(config.arrival_rate_per_s, n_arr, config.seed)
+    else:
+        arrival_s = np.asarray(arrival_times_s, dtype=np.float64)
+        if arrival_s.shape != (n_arr,):
+            raise ValueError(f"arrival_times_s has shape {arrival_s.shape}, expected ({n_arr},)")
+        if n_arr and (arrival_s[0] < 0 or np.any(np.diff(arrival_s) < 0)):
+            raise ValueError("arrival_times_s must be non-negative and non-decreasing")
     # The policy's own randomness (tie-breaks, P2C samples) gets a separate stream so that
     # arrival times are identical across policies for a seed.
     policy_rng = np.random.default_rng([config.seed, 1])
@@ -318,12 +366,12 @@ def simulate(
     cur_version = scores_version
     centroid_mask = _centroid_mask(scores, has_centroid)
     track_activity = policy.uses_activity and demands is not None
-    activity = ActivityTable(ttl_s=float("inf")) if track_activity else None
+    activity = ActivityTable(ttl_s=float("inf")) if track_activity and information is None else None
     demand_p: dict[int, np.ndarray] = {}
 
     warm_idx = int(config.warmup_fraction * n_arr)
     window_start = float(arrival_s[warm_idx]) if warm_idx < n_arr else float(arrival_s[-1])
-    window_end = float(arrival_s[-1])
+    window_end = np.inf if config.count_drain else float(arrival_s[-1])
 
     assigned_s = np.zeros(n_arr)
     admitted_s = np.full(n_arr, np.nan)
@@ -342,6 +390,14 @@ def simulate(
     swaps: list[tuple[float, int]] = []
     seen_arrivals: list[tuple[int, int, float, int]] = []
     seen_finished: list[tuple[int, int, float, int]] = []
+    submitted_s = assigned_s if information is None else np.zeros(n_arr)
+    info = (
+        _Information(
+            information, policy, worker_ids, workers, demands if track_activity else None, config
+        )
+        if information is not None
+        else None
+    )
 
     events: list[tuple[float, int, int]] = []  # (time, tie-breaker, worker) step ends
     tie = 0
@@ -401,6 +457,8 @@ def simulate(
                 kv_tokens[w] -= done_kv
                 if activity is not None:
                     activity.finish(str(a))
+                if info is not None:
+                    info.finished(a, now)
                 if controller is not None:
                     seen_finished.append((a, int(arrival_requests[a]), now, w))
             else:
@@ -458,19 +516,33 @@ def simulate(
             centroid_mask = _centroid_mask(cur_scores, None)
             swaps.append((now, payload.version))
 
+    def submit(w: int, a: int, now: float) -> None:
+        submitted_s[a] = now
+        workers[w].waiting.append(a)
+        if not workers[w].busy:
+            start_step(w, now)
+
+    if info is not None:
+        info.start(submit)
+
     next_arrival = 0
     now = 0.0
-    while next_arrival < n_arr or events:
+    while next_arrival < n_arr or events or (info is not None and info.busy):
         t_arr = arrival_s[next_arrival] if next_arrival < n_arr else np.inf
         t_step = events[0][0] if events else np.inf
         t_ctl = control[0][0] if control and next_arrival < n_arr else np.inf
-        if t_step <= t_arr and t_step <= t_ctl:
+        t_info = info.next_s() if info is not None else np.inf
+        if t_step <= t_arr and t_step <= t_ctl and t_step <= t_info:
             now, _, w = heapq.heappop(events)
             end_step(w, now)
             continue
-        if t_ctl <= t_arr:
+        if t_ctl <= t_arr and t_ctl <= t_info:
             now, _, kind, payload = heapq.heappop(control)
             on_control(now, kind, payload)
+            continue
+        if info is not None and t_info <= t_arr:
+            now = t_info
+            info.run_next(next_arrival < n_arr)
             continue
         now = float(t_arr)
         a = next_arrival
@@ -478,33 +550,49 @@ def simulate(
         req_idx = int(arrival_requests[a])
         if not live_idx.size:
             raise ValueError(f"no live worker at {now:.3f} s (arrival {a})")
+        # What the deciding router sees: the truth, or its replica's tables.
+        replica: RouterReplica | None = None
+        seen_idx, seen_all = live_idx, everyone
+        seen_ids = live_ids
+        seen_in_flight = in_flight if everyone else in_flight[live_idx]
+        seen_kv = kv_tokens if everyone else kv_tokens[live_idx]
+        if info is not None:
+            replica = info.replica_for(a)
+            seen_idx, seen_in_flight, seen_kv = info.loads(replica, now)
+            seen_all = seen_idx.size == W
+            seen_ids = tuple(worker_ids[i] for i in seen_idx)
         row: np.ndarray | None = None
         mask: np.ndarray | None = None
         if cur_scores is not None and policy.wants_scores:
-            row = cur_scores[req_idx] if everyone else cur_scores[req_idx, live_idx]
+            row = cur_scores[req_idx] if seen_all else cur_scores[req_idx, seen_idx]
             if centroid_mask is not None:
-                sub = centroid_mask if everyone else centroid_mask[live_idx]
+                sub = centroid_mask if seen_all else centroid_mask[seen_idx]
                 mask = None if sub.all() else sub
         demand: np.ndarray | None = None
         miss: np.ndarray | None = None
-        if activity is not None and demands is not None:
+        if track_activity and demands is not None:
             demand = demand_p.get(req_idx)
             if demand is None:
                 demand = demand_p[req_idx] = demands[req_idx].probability()
-            miss = activity.miss_view(live_ids)
+            table = activity if replica is None else replica.core.activity
+            assert table is not None
+            miss = table.miss_view(seen_ids)
         view = FleetView(
-            workers=live_ids,
-            in_flight=in_flight if everyone else in_flight[live_idx],
-            kv_tokens=kv_tokens if everyone else kv_tokens[live_idx],
+            workers=seen_ids,
+            in_flight=seen_in_flight,
+            kv_tokens=seen_kv,
             scores=row,
             has_centroid=mask,
             expert_miss=miss,
             demand=demand,
         )
-        choice = policy.choose(view, policy_rng)
+        chooser = policy if replica is None else replica.policy
+        choice = chooser.choose(view, policy_rng)
         if choice.fallback:
             fallbacks[choice.fallback] = fallbacks.get(choice.fallback, 0) + 1
-        w = int(live_idx[choice.index])
+        w = int(seen_idx[choice.index])
+        if info is not None and replica is not None and a >= warm_idx:
+            info.record_errors(replica, seen_in_flight, in_flight[seen_idx])
         if a >= warm_idx:
             loads = in_flight if everyone else in_flight[live_idx]
             mean_load = loads.mean()
@@ -521,16 +609,19 @@ def simulate(
             activity.add(worker_ids[w], str(a), demands[req_idx], now)
         if controller is not None:
             seen_arrivals.append((a, req_idx, now, w))
-        workers[w].waiting.append(a)
-        if not workers[w].busy:
-            start_step(w, now)
+        if info is not None and replica is not None:
+            info.decided(replica, w, a, req_idx, req.prompt_tokens, now)
+        else:
+            workers[w].waiting.append(a)
+            if not workers[w].busy:
+                start_step(w, now)
 
     measured = np.arange(warm_idx, n_arr)
     tokens = np.array(
         [requests[arrival_requests[a]].decode_tokens for a in measured], dtype=np.float64
     )
-    tpot = (finished_s[measured] - assigned_s[measured]) / tokens
-    queue = admitted_s[measured] - assigned_s[measured]
+    tpot = (finished_s[measured] - submitted_s[measured]) / tokens
+    queue = admitted_s[measured] - submitted_s[measured]
     assigned_per_worker = np.bincount(worker_of[measured], minlength=W)
     return SimResult(
         policy=policy.name,
@@ -552,6 +643,16 @@ def simulate(
         joined_s=joined_s,
         left_s=left_s,
         swaps=swaps,
+        submitted_s=submitted_s,
+        replica_of=(info.replica_of if info is not None else np.zeros(n_arr, dtype=np.int64)),
+        view_error=(
+            np.asarray(info.view_error, dtype=np.float64) if info is not None else np.zeros(0)
+        ),
+        activity_excess=(
+            np.asarray(info.activity_excess, dtype=np.int64)
+            if info is not None and track_activity
+            else np.zeros(0, dtype=np.int64)
+        ),
     )
 
 
@@ -566,3 +667,243 @@ def _centroid_mask(scores: np.ndarray | None, given: np.ndarray | None) -> np.nd
     if scores is None:
         return None
     return np.asarray(np.isfinite(scores).any(axis=0), dtype=bool)
+
+
+@dataclass(frozen=True)
+class _Emit:
+    """Workers publish their load reports (periodic)."""
+
+
+@dataclass(frozen=True)
+class _Reports:
+    """Load reports reach the routers."""
+
+    reports: tuple[Report, ...]
+
+
+@dataclass(frozen=True)
+class _Commit:
+    """A decision is counted by the replica that made it (its commit acknowledged)."""
+
+    replica: int
+    worker_id: str
+    request_id: str
+    kv_tokens: int
+    demand: ExpertDemand | None
+
+
+@dataclass(frozen=True)
+class _Propagate:
+    """A decision reaches the other replicas (the decisions stream)."""
+
+    replica: int
+    worker_id: str
+    request_id: str
+    demand: ExpertDemand | None
+
+
+@dataclass(frozen=True)
+class _Dispatch:
+    """A decided request's job reaches its worker."""
+
+    worker: int
+    arrival: int
+
+
+@dataclass(frozen=True)
+class _Finish:
+    """A finish event reaches the routers."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Expire:
+    """The routers' expiry loop runs (periodic)."""
+
+
+_InfoEvent = _Emit | _Reports | _Commit | _Propagate | _Dispatch | _Finish | _Expire
+
+
+class _Information:
+    """The simulated router replicas and the events that feed them (`simulate(information=)`).
+
+    Zero delays act at once (no event), so `InformationModel.perfect()` makes the same
+    decisions as the perfect-information path.
+    """
+
+    def __init__(
+        self,
+        model: InformationModel,
+        policy: Policy,
+        worker_ids: tuple[str, ...],
+        workers: list[_Worker],
+        demands: Sequence[ExpertDemand] | None,
+        config: SimConfig,
+    ) -> None:
+        self.model = model
+        self.replicas = make_replicas(policy, model)
+        self.worker_ids = worker_ids
+        self.slot_of = {w: i for i, w in enumerate(worker_ids)}
+        self.workers = workers
+        self.demands = demands
+        self.replica_of = split_arrivals(model, config.num_arrivals, config.seed)
+        self.heap: list[tuple[float, int, _InfoEvent]] = []
+        self.tie = 0
+        W = len(worker_ids)
+        self.seq = [0] * W
+        self.admitted_now: list[list[str]] = [[] for _ in range(W)]
+        self.admitted_before: list[list[str]] = [[] for _ in range(W)]
+        self.view_error: list[float] = []
+        self.activity_excess: list[int] = []
+        self._submit: Callable[[int, int, float], None] | None = None
+
+    # --- the event queue ------------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.heap)
+
+    def push(self, at_s: float, event: _InfoEvent) -> None:
+        self.tie += 1
+        heapq.heappush(self.heap, (at_s, self.tie, event))
+
+    def next_s(self) -> float:
+        return self.heap[0][0] if self.heap else np.inf
+
+    def start(self, submit: Callable[[int, int, float], None]) -> None:
+        """Every replica has a report of every worker before the first arrival (the stack
+        is up and reporting before requests come); then the periodic events begin."""
+        self._submit = submit
+        self.apply(self.reports(), 0.0)
+        if self.model.report_interval_s > 0:
+            self.push(self.model.report_interval_s, _Emit())
+        self.push(self.model.expire_period_s, _Expire())
+
+    def run_next(self, arrivals_left: bool) -> None:
+        """Handle the earliest event; periodic ones recur while arrivals are left."""
+        now, _, ev = heapq.heappop(self.heap)
+        m = self.model
+        if isinstance(ev, _Emit):
+            reports = self.reports()
+            if m.report_hop_s > 0:
+                self.push(now + m.report_hop_s, _Reports(reports))
+            else:
+                self.apply(reports, now)
+            if arrivals_left:
+                self.push(now + m.report_interval_s, _Emit())
+        elif isinstance(ev, _Reports):
+            self.apply(ev.reports, now)
+        elif isinstance(ev, _Commit):
+            self.replicas[ev.replica].on_decision(
+                ev.worker_id, ev.request_id, ev.kv_tokens, ev.demand, now
+            )
+        elif isinstance(ev, _Propagate):
+            for rep in self.replicas:
+                if rep.index != ev.replica:
+                    rep.on_decision(ev.worker_id, ev.request_id, 0, ev.demand, now)
+        elif isinstance(ev, _Dispatch):
+            self.submit(ev.worker, ev.arrival, now)
+        elif isinstance(ev, _Finish):
+            for rep in self.replicas:
+                rep.on_finished(ev.request_id, now)
+        else:
+            if m.report_interval_s == 0:
+                self.apply(self.reports(), now)
+            for rep in self.replicas:
+                rep.expire(now)
+            if arrivals_left:
+                self.push(now + m.expire_period_s, _Expire())
+
+    # --- reports --------------------------------------------------------------------------
+
+    def reports(self) -> tuple[Report, ...]:
+        """Every worker's load report now (admitted: the jobs that reached it this interval
+        and the previous one, as simdecode reports them)."""
+        out = []
+        for w, wk in enumerate(self.workers):
+            admitted = (self.admitted_before[w] + self.admitted_now[w])[-MAX_ADMITTED_IDS:]
+            self.admitted_before[w], self.admitted_now[w] = self.admitted_now[w], []
+            out.append(
+                Report(
+                    worker_id=self.worker_ids[w],
+                    incarnation="sim",
+                    seq=self.seq[w],
+                    running=len(wk.running),
+                    waiting=len(wk.waiting),
+                    kv_tokens=wk.kv_tokens,
+                    admitted=tuple(admitted),
+                )
+            )
+            self.seq[w] += 1
+        return tuple(out)
+
+    def apply(self, reports: tuple[Report, ...], now: float) -> None:
+        for rep in self.replicas:
+            for report in reports:
+                rep.on_report(report, now)
+
+    # --- decisions ------------------------------------------------------------------------
+
+    def replica_for(self, arrival: int) -> RouterReplica:
+        return self.replicas[int(self.replica_of[arrival])]
+
+    def loads(
+        self, replica: RouterReplica, now: float
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(live worker slots in slot order, their in-flight requests, their KV tokens) as
+        the replica's load table has them now."""
+        if self.model.report_interval_s == 0:
+            self.apply(self.reports(), now)
+        table = replica.table
+        live = table.live_workers(now)
+        if not live:
+            raise ValueError(f"router replica {replica.index} sees no live worker at {now:.3f} s")
+        idx = np.array(sorted(self.slot_of[w] for w in live), dtype=np.int64)
+        in_flight, kv = table.loads([self.worker_ids[i] for i in idx])
+        return idx, in_flight, kv
+
+    def record_errors(self, replica: RouterReplica, seen: np.ndarray, truth: np.ndarray) -> None:
+        err, excess = view_errors(seen, truth, len(replica.core.activity))
+        self.view_error.append(err)
+        if self.demands is not None:
+            self.activity_excess.append(excess)
+
+    def decided(
+        self, replica: RouterReplica, w: int, a: int, req_idx: int, prompt_tokens: int, now: float
+    ) -> None:
+        """The replica sent arrival `a` to worker `w`: it counts it after the commit, the
+        other replicas after propagation, the worker gets it after dispatch."""
+        m = self.model
+        replica.decisions += 1
+        wid, rid = self.worker_ids[w], str(a)
+        demand = self.demands[req_idx] if self.demands is not None else None
+        if m.commit_s > 0:
+            self.push(now + m.commit_s, _Commit(replica.index, wid, rid, prompt_tokens, demand))
+        else:
+            replica.on_decision(wid, rid, prompt_tokens, demand, now)
+        if len(self.replicas) > 1:
+            if m.propagation_s > 0:
+                self.push(now + m.propagation_s, _Propagate(replica.index, wid, rid, demand))
+            else:
+                for rep in self.replicas:
+                    if rep is not replica:
+                        rep.on_decision(wid, rid, 0, demand, now)
+        if m.dispatch_s > 0:
+            self.push(now + m.dispatch_s, _Dispatch(w, a))
+        else:
+            self.submit(w, a, now)
+
+    def submit(self, w: int, a: int, now: float) -> None:
+        self.admitted_now[w].append(str(a))
+        assert self._submit is not None
+        self._submit(w, a, now)
+
+    def finished(self, a: int, now: float) -> None:
+        """Arrival `a` produced its last token: the routers hear of it after the lag."""
+        rid = str(a)
+        if self.model.finish_lag_s > 0:
+            self.push(now + self.model.finish_lag_s, _Finish(rid))
+        else:
+            for rep in self.replicas:
+                rep.on_finished(rid, now)

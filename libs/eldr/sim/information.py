@@ -1,0 +1,255 @@
+"""What a live router knows, and when: the information delays of the live system.
+
+The simulator's default gives every routing decision perfect, instant fleet state: the
+exact number of requests on every worker and the exact set of requests whose experts are
+in flight there. A live router replica (services/router) knows less:
+
+- **Load reports.** A worker's running + waiting requests and KV tokens as of its last
+  `LoadReport` (published every `report_interval_s`, reaching the routers `report_hop_s`
+  later), plus the assignments the replica has seen since (pending until a report lists
+  them as admitted). A request that finished after the report still counts until the
+  next one.
+- **Decisions.** A replica counts its own decision once it is committed (`commit_s`: the
+  JetStream publish and its acknowledgement; decisions taken meanwhile do not see it) and
+  another replica's after `propagation_s` (stored by JetStream, pushed to the subscribers).
+  Arrivals are split between `routers` replicas (the shared pull consumer hands each
+  PrefillDone to one of them), each with its own policy state (round-robin cursor).
+- **Finishes.** A finished request leaves a replica's pending set and activity table when
+  the gateway's `RequestFinished` reaches it, `finish_lag_s` after its last token.
+- **Dispatch.** The decision reaches the requester, whose job reaches the worker
+  `dispatch_s` after the decision; TPOT is measured from there, as the worker measures it.
+
+`InformationModel` holds these numbers; `eldr.sim.cluster.simulate(information=...)` runs
+each replica on the live router's own state: a `RouterCore` with its `LoadTable` and
+`ActivityTable` (`eldr.core.router`, `eldr.core.loadtable`, `eldr.core.activity`), fed the
+same events (`on_report`, `on_assignment`, `note_assignment`, `note_finished`, the expiry
+loop's `expire` / `bound_activity`) at the simulated times they would reach it.
+
+`LIVE_DEFAULTS` are the live settings and hop latencies measured on the local stack (each
+number's source is in its field's docstring); `InformationModel.perfect()` with all delays
+zero reproduces the perfect-information simulation (a unit test checks it decision for
+decision).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from eldr.core.activity import ExpertDemand
+from eldr.core.loadtable import LoadTable, Report
+from eldr.core.policies import Policy, PolicySpec
+from eldr.core.router import RouterCore
+
+Split = Literal["random", "alternate"]
+SPLITS: tuple[Split, ...] = ("random", "alternate")
+
+SIMDECODE_REPORT_INTERVAL_S = 0.1
+"""`ELDR_SIMDECODE_REPORT_INTERVAL_S` default (services/simdecode/settings.py)."""
+DECODE_ADAPTER_REPORT_INTERVAL_S = 0.5
+"""`ELDR_ADAPTER_INTERVAL_S` default (services/decodeadapter/settings.py): a vLLM decode
+instance's load, scraped from its /metrics."""
+DEMO_ROUTERS = 2
+"""Router replicas of the local stack and the demo (`eldr.dev.stack.SERVICES`)."""
+ROUTER_EXPIRE_PERIOD_S = 0.25
+"""The router's expiry loop period (services/router/service.py `expire_loop`, with the
+default stale_after_s of 3 s)."""
+
+
+@dataclass(frozen=True)
+class InformationModel:
+    """The live system's information delays (simulated seconds; see the module docstring)."""
+
+    routers: int = DEMO_ROUTERS
+    report_interval_s: float = SIMDECODE_REPORT_INTERVAL_S
+    """0: every time a router looks it has a report from that instant (perfect load)."""
+    report_hop_s: float = 0.0005
+    """Load report publish -> routers: a core NATS publish between local processes (0.3-0.6
+    ms measured by `eldr compare-live`'s probe on the development machine, 2026-12-01;
+    docs/BENCHMARKS.md section 4)."""
+    commit_s: float = 0.002
+    """Decision built -> counted by its own replica: the JetStream publish awaiting its
+    acknowledgement (about 2 ms from a Python client; REFERENCE.md section 6 and the probe)."""
+    propagation_s: float = 0.002
+    """Decision built -> counted by the other replicas (stored, then pushed on
+    `decisions.*`; measured by the probe as receive time - `Decision.ts_s`)."""
+    dispatch_s: float = 0.001
+    """Decision -> its job at the worker: the reply to the requester's inbox and the
+    `DecodeJob` request (two core hops)."""
+    finish_lag_s: float = 0.002
+    """Last token -> the finish event at the routers: the worker's `DecodeJobDone` to the
+    gateway, then its `RequestFinished` to the routers (two core hops plus the worker's
+    profile queue)."""
+    expire_period_s: float = ROUTER_EXPIRE_PERIOD_S
+    stale_after_s: float = 3.0
+    """`ELDR_STALE_AFTER_S` default."""
+    pending_ttl_s: float = 10.0
+    """`ELDR_PENDING_TTL_S` default."""
+    activity_slack: int = 4
+    """`ELDR_ACTIVITY_SLACK` default."""
+    split: Split = "random"
+    """How arrivals are split between replicas: at random (what the shared pull consumer
+    does, as measured by the probe) or alternately."""
+
+    def __post_init__(self) -> None:
+        if self.routers < 1:
+            raise ValueError(f"routers must be >= 1, got {self.routers}")
+        for name in (
+            "report_interval_s",
+            "report_hop_s",
+            "commit_s",
+            "propagation_s",
+            "dispatch_s",
+            "finish_lag_s",
+        ):
+            value = getattr(self, name)
+            if not (value >= 0 and np.isfinite(value)):
+                raise ValueError(f"{name} must be a finite non-negative number, got {value}")
+        if self.expire_period_s <= 0 or self.stale_after_s <= 0 or self.pending_ttl_s <= 0:
+            raise ValueError("expire_period_s, stale_after_s and pending_ttl_s must be positive")
+        if self.activity_slack < 0:
+            raise ValueError(f"activity_slack must be >= 0, got {self.activity_slack}")
+        if self.split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {self.split!r}")
+
+    @classmethod
+    def perfect(cls, routers: int = 1) -> InformationModel:
+        """No delay anywhere (the perfect-information simulation, through the router's
+        own tables)."""
+        return cls(
+            routers=routers,
+            report_interval_s=0.0,
+            report_hop_s=0.0,
+            commit_s=0.0,
+            propagation_s=0.0,
+            dispatch_s=0.0,
+            finish_lag_s=0.0,
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+LIVE_DEFAULTS = InformationModel()
+"""The local stack's settings (simdecode's report interval, the demo's 2 routers) and hop
+latencies; `eldr bench` reports every policy with these and without them."""
+VLLM_DEFAULTS = InformationModel(report_interval_s=DECODE_ADAPTER_REPORT_INTERVAL_S)
+"""The same with the decode adapter's report interval (real vLLM decode instances)."""
+
+
+class RouterReplica:
+    """One simulated router replica: the live router's state (`RouterCore` with its load
+    and activity tables) plus its own instance of the policy.
+
+    The `RouterCore`'s own policy is not used (the simulator builds the fleet view from the
+    core's tables and asks `policy`); it only holds the tables, so its spec is a
+    placeholder.
+    """
+
+    def __init__(self, index: int, policy: Policy, model: InformationModel) -> None:
+        self.index = index
+        self.policy = policy
+        table = LoadTable(stale_after_s=model.stale_after_s, pending_ttl_s=model.pending_ttl_s)
+        self.core = RouterCore(
+            PolicySpec(name="round_robin"),
+            table,
+            np.random.default_rng(index),
+            activity_slack=model.activity_slack,
+        )
+        self.decisions = 0
+
+    @property
+    def table(self) -> LoadTable:
+        return self.core.table
+
+    def on_report(self, report: Report, now_s: float) -> None:
+        """What the router service does with a load report (`on_load_report`)."""
+        if self.core.table.on_report(report, now_s):
+            self.core.bound_activity(report.worker_id)
+
+    def on_decision(
+        self,
+        worker_id: str,
+        request_id: str,
+        kv_tokens: int,
+        demand: ExpertDemand | None,
+        now_s: float,
+    ) -> None:
+        """A decision reached this replica (its own committed, or another's on the stream):
+        pending on its worker, and its experts counted there. Another replica's decision
+        carries no KV tokens (the live router counts them as 0)."""
+        core = self.core
+        core.table.on_assignment(worker_id, request_id, kv_tokens, now_s)
+        # `RouterCore.note_assignment` with the demand given (the live router computes the
+        # same one from the decision's counts; the simulator has it precomputed).
+        if (
+            demand is not None
+            and request_id not in core.activity
+            and not core.table.was_finished(request_id)
+        ):
+            core.activity.add(worker_id, request_id, demand, now_s)
+            core.bound_activity(worker_id)
+
+    def on_finished(self, request_id: str, now_s: float) -> None:
+        self.core.note_finished(request_id, now_s)
+
+    def expire(self, now_s: float) -> None:
+        """One pass of the router's expiry loop (`expire_loop`)."""
+        removed = self.core.table.expire(now_s)
+        activity = self.core.activity
+        for wid in removed:
+            activity.remove_worker(wid)
+        activity.expire(now_s)
+        for wid in list(activity.per_worker()):
+            self.core.bound_activity(wid)
+
+
+def make_replicas(policy: Policy, model: InformationModel) -> list[RouterReplica]:
+    """One replica per router; with several, each gets its own copy of the policy (its own
+    cursor), as each live replica builds its own."""
+    if model.routers == 1:
+        return [RouterReplica(0, policy, model)]
+    return [RouterReplica(i, copy.deepcopy(policy), model) for i in range(model.routers)]
+
+
+def split_arrivals(model: InformationModel, n_arrivals: int, seed: int) -> np.ndarray:
+    """The replica that routes each arrival (int64 [n_arrivals])."""
+    if model.routers == 1:
+        return np.zeros(n_arrivals, dtype=np.int64)
+    if model.split == "alternate":
+        return np.arange(n_arrivals, dtype=np.int64) % model.routers
+    rng = np.random.default_rng([seed, 4])
+    return rng.integers(0, model.routers, size=n_arrivals).astype(np.int64)
+
+
+def view_errors(
+    view_in_flight: np.ndarray, true_in_flight: np.ndarray, activity_entries: int
+) -> tuple[float, int]:
+    """(mean |seen - true| in-flight requests per worker, activity entries - true in flight)
+    at one decision: how stale the replica's load was, and how far its activity table lagged."""
+    err = float(np.abs(view_in_flight - true_in_flight).mean()) if view_in_flight.size else 0.0
+    return err, int(activity_entries - int(true_in_flight.sum()))
+
+
+def describe(model: InformationModel | None) -> str:
+    """One line for reports."""
+    if model is None:
+        return "perfect information"
+    parts: Sequence[str] = (
+        f"{model.routers} router(s), split {model.split}",
+        (
+            "perfect load reports"
+            if model.report_interval_s == 0
+            else f"load reports every {1e3 * model.report_interval_s:g} ms "
+            f"(+{1e3 * model.report_hop_s:g} ms)"
+        ),
+        f"own decisions after {1e3 * model.commit_s:g} ms, others' after "
+        f"{1e3 * model.propagation_s:g} ms",
+        f"finishes after {1e3 * model.finish_lag_s:g} ms",
+        f"jobs at the worker after {1e3 * model.dispatch_s:g} ms",
+    )
+    return "; ".join(parts)
