@@ -60,12 +60,14 @@ from eldr.vllm.moe_layers import moe_layer_ids, num_routed_experts, parse_layer_
 from eldr.vllm.pd import (
     REQUEST_ID_HEADER,
     BadRequestError,
+    BodyLimits,
     LeastOutstanding,
-    check_body,
     decode_body,
     decode_order,
+    encode_body,
     max_tokens_of,
     openai_error,
+    parse_body,
     prefill_body,
     request_id_from,
     request_outcome,
@@ -80,6 +82,7 @@ from .settings import GatewaySettings
 log = logging.getLogger(__name__)
 
 NAME = "gateway"
+JSON = "application/json"
 LATENCY_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 
 
@@ -155,6 +158,16 @@ class GatewayMetrics:
             ["reason"],
             registry=r,
         )
+        self.refused_bodies = Counter(
+            "eldr_gateway_refused_bodies_total",
+            "Client requests refused for their body: too_large (413), timeout (408, not sent "
+            "within gateway_body_timeout_s), invalid (400: not a JSON object, nested too "
+            "deeply, a prompt over the limits, a field of the wrong type).",
+            ["reason"],
+            registry=r,
+        )
+        for reason in ("too_large", "timeout", "invalid"):
+            self.refused_bodies.labels(reason)
         self.capture_status = Counter(
             "eldr_gateway_capture_status_total",
             "Capture statuses received (ok; other_instance: not one of ours). One whose "
@@ -188,6 +201,10 @@ class Gateway:
             grace_s=s.gateway_capture_grace_s,
         )
         self._capture_said: dict[str, str | None] = {}
+        self.limits = BodyLimits(
+            max_prompt_bytes=s.gateway_max_prompt_bytes,
+            max_prompt_tokens=s.gateway_max_prompt_tokens,
+        )
 
     # --- decisions ------------------------------------------------------------------------
 
@@ -226,8 +243,8 @@ class Gateway:
             try:
                 async with self.session.post(
                     self.prefills[name] + path,
-                    json=body,
-                    headers={REQUEST_ID_HEADER: request_id},
+                    data=encode_body(body),
+                    headers={REQUEST_ID_HEADER: request_id, "Content-Type": JSON},
                     timeout=self._timeout(),
                 ) as resp:
                     payload = await resp.read()
@@ -289,8 +306,8 @@ class Gateway:
         try:
             resp = await self.session.post(
                 self.decoders[name] + path,
-                json=body,
-                headers={REQUEST_ID_HEADER: request_id},
+                data=encode_body(body),
+                headers={REQUEST_ID_HEADER: request_id, "Content-Type": JSON},
                 timeout=self._timeout(),
             )
         except (aiohttp.ClientConnectionError, TimeoutError) as exc:
@@ -390,14 +407,27 @@ class Gateway:
     async def _serve_one(
         self, request: web.Request, path: str, *, chat: bool
     ) -> web.StreamResponse:
+        s = self.settings
         try:
             request_id = request_id_from(request.headers.get(REQUEST_ID_HEADER))
             try:
-                raw = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise BadRequestError(f"the request body is not JSON: {exc}") from exc
-            body = check_body(raw, chat=chat)
+                data = await asyncio.wait_for(request.read(), timeout=s.gateway_body_timeout_s)
+            except TimeoutError:
+                self.metrics.refused_bodies.labels("timeout").inc()
+                return _error(
+                    408, f"the request body did not arrive within {s.gateway_body_timeout_s:g} s"
+                )
+            except web.HTTPRequestEntityTooLarge:
+                self.metrics.refused_bodies.labels("too_large").inc()
+                return _error(
+                    413, f"the request body is larger than {s.gateway_max_body_bytes:,} bytes"
+                )
+            if len(data) > s.gateway_parse_inline_bytes:
+                body = await asyncio.to_thread(parse_body, data, chat=chat, limits=self.limits)
+            else:
+                body = parse_body(data, chat=chat, limits=self.limits)
         except BadRequestError as exc:
+            self.metrics.refused_bodies.labels("invalid").inc()
             return _error(400, str(exc), param=exc.param)
         finish = FinishTracker(request_id, self.settings.instance_id, time.time)
         outcome: FinishReason = "error"
@@ -667,7 +697,7 @@ def _error(
 
 
 def build_app(gateway: Gateway) -> web.Application:
-    app = web.Application(client_max_size=64 << 20)
+    app = web.Application(client_max_size=gateway.settings.gateway_max_body_bytes)
     app.router.add_post("/v1/completions", gateway.completions)
     app.router.add_post("/v1/chat/completions", gateway.chat_completions)
     app.router.add_get("/v1/models", gateway.models)

@@ -8,7 +8,12 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from eldr.settings import BlockHashSettings, CommonSettings
-from eldr.vllm.pd import parse_instances
+from eldr.vllm.pd import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_PROMPT_BYTES,
+    DEFAULT_MAX_PROMPT_TOKENS,
+    parse_instances,
+)
 
 
 class GatewaySettings(CommonSettings, BlockHashSettings):
@@ -56,6 +61,34 @@ class GatewaySettings(CommonSettings, BlockHashSettings):
     )
     gateway_health_interval_s: float = Field(
         default=2.0, gt=0, description="Period of the upstream /health probes."
+    )
+    gateway_max_body_bytes: int = Field(
+        default=DEFAULT_MAX_BODY_BYTES,
+        ge=1024,
+        description="Largest client request body; larger ones get 413 before they are read "
+        "further (8 MiB: about a million token ids as JSON).",
+    )
+    gateway_max_prompt_bytes: int = Field(
+        default=DEFAULT_MAX_PROMPT_BYTES,
+        ge=1,
+        description="Largest prompt ('prompt', or all 'messages') as JSON bytes; larger: 400. "
+        "The model's context length is vLLM's to enforce; this bounds the gateway's work.",
+    )
+    gateway_max_prompt_tokens: int = Field(
+        default=DEFAULT_MAX_PROMPT_TOKENS,
+        ge=1,
+        description="Most token ids a prompt given as token ids may have; more: 400.",
+    )
+    gateway_body_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="A client must send its whole body within this; slower: 408 (a client "
+        "dribbling its body would otherwise hold a request slot forever).",
+    )
+    gateway_parse_inline_bytes: int = Field(
+        default=256 << 10,
+        ge=0,
+        description="Bodies larger than this are parsed in a worker thread, off the event loop.",
     )
     gateway_drain_grace_s: float = Field(
         default=30.0,

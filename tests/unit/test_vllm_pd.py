@@ -190,3 +190,20 @@ def test_the_prefill_request_carries_the_gateways_decision_budget() -> None:
     assert prefill_body(body, "r", "_INBOX.x", 0.25)["vllm_xargs"][XARG_DECISION_BUDGET] == 0.25
     # Only the gateway sets it: a client's own value does not reach the engine.
     assert XARG_DECISION_BUDGET not in prefill_body(body, "r", "_INBOX.x")["vllm_xargs"]
+
+
+def test_the_prompt_stays_raw_json_and_is_forwarded_verbatim() -> None:
+    import msgspec
+
+    from eldr.vllm.pd import encode_body, parse_body, prefill_body
+
+    data = b'{"model": "m", "prompt": [1, 2,  3], "max_tokens": 7, "stream": false}'
+    body = parse_body(data, chat=False)
+    assert isinstance(body["prompt"], msgspec.Raw)
+    assert body["max_tokens"] == 7
+    out = msgspec.json.decode(encode_body(prefill_body(body, "r", "_INBOX.x")))
+    assert out["prompt"] == [1, 2, 3]
+    assert out["max_tokens"] == 1
+    assert b"[1, 2,  3]" in encode_body(body)  # the client's bytes, as they came
+    chat = parse_body(b'{"messages": [{"role": "user", "content": "hi"}]}', chat=True)
+    assert isinstance(chat["messages"], msgspec.Raw)

@@ -11,17 +11,25 @@ header (vLLM builds its own request ids from it) and in `vllm_xargs` (`eldr_requ
 read by the capture plugin in the prefill engine, which publishes the `PrefillDone` under
 that id, with `eldr_reply_to` = the gateway's decision inbox).
 
+A client's body is parsed once (`parse_body`) with its prompt left as it came: the
+"prompt" and "messages" values stay raw JSON (`msgspec.Raw`), forwarded verbatim to vLLM,
+which parses them itself. So a 24 MB token list is never turned into millions of Python
+objects on the gateway's event loop (it took about a second there), deep nesting is a 400
+rather than a RecursionError (500), and the prompt's size is checked from its bytes
+(`BodyLimits`).
+
 No I/O here: bodies in, bodies out.
 """
 
 from __future__ import annotations
 
-import copy
 import re
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from eldr.wire import Decision
 
@@ -84,12 +92,84 @@ def request_id_from(header: str | None) -> str:
     return f"eldr-{uuid.uuid4().hex}"
 
 
+RAW_FIELDS = ("prompt", "messages")
+"""Body fields kept as raw JSON (the prompt: by far the largest part, parsed by vLLM)."""
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+DEFAULT_MAX_PROMPT_BYTES = 4 << 20
+DEFAULT_MAX_PROMPT_TOKENS = 262_144
+
+_TOP_LEVEL = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_RAW_LIST = msgspec.json.Decoder(list[msgspec.Raw])
+_ENCODER = msgspec.json.Encoder()
+
+
+@dataclass(frozen=True)
+class BodyLimits:
+    """What one client request may hold (the gateway's settings)."""
+
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
+    """Bytes of the prompt ("prompt", or all of "messages") as JSON."""
+    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
+    """Token ids of a prompt given as token ids (a list of them, or of lists)."""
+
+
+def parse_body(data: bytes, *, chat: bool, limits: BodyLimits | None = None) -> dict[str, Any]:
+    """The client's JSON body, validated (`check_body`), with its prompt as raw JSON.
+
+    Raises BadRequestError (a 400) for anything that is not a JSON object, nested too
+    deeply to parse, or whose prompt is beyond `limits`.
+    """
+    limits = limits or BodyLimits()
+    try:
+        top = _TOP_LEVEL.decode(data)
+        body: dict[str, Any] = {
+            key: raw if key in RAW_FIELDS else msgspec.json.decode(raw) for key, raw in top.items()
+        }
+    except RecursionError:
+        raise BadRequestError("the request body is nested too deeply") from None
+    except msgspec.ValidationError as exc:
+        raise BadRequestError(f"the request body must be a JSON object: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise BadRequestError(f"the request body is not JSON: {exc}") from None
+    body = check_body(body, chat=chat)
+    key = "messages" if chat else "prompt"
+    prompt = bytes(body[key])
+    if len(prompt) > limits.max_prompt_bytes:
+        raise BadRequestError(
+            f"'{key}' has {len(prompt):,} bytes, more than the {limits.max_prompt_bytes:,} "
+            "this gateway accepts",
+            param=key,
+        )
+    if not chat and prompt.startswith(b"["):
+        # Token ids (or a list of prompts): at most one element per comma, plus one.
+        elements = prompt.count(b",") + 1
+        if elements > limits.max_prompt_tokens:
+            raise BadRequestError(
+                f"'prompt' lists about {elements:,} token ids, more than the "
+                f"{limits.max_prompt_tokens:,} this gateway accepts",
+                param="prompt",
+            )
+    return body
+
+
+def encode_body(body: Mapping[str, Any]) -> bytes:
+    """JSON bytes of a body for an upstream (raw fields verbatim)."""
+    return _ENCODER.encode(body)
+
+
 def check_body(body: Any, *, chat: bool) -> dict[str, Any]:
-    """Validate what the gateway itself relies on (vLLM validates the rest)."""
+    """Validate what the gateway itself relies on (vLLM validates the rest). "messages"
+    may be a list or, as `parse_body` leaves it, raw JSON."""
     if not isinstance(body, dict):
         raise BadRequestError("the request body must be a JSON object")
     if chat:
-        if not isinstance(body.get("messages"), list) or not body["messages"]:
+        messages = body.get("messages")
+        if isinstance(messages, msgspec.Raw):
+            try:
+                messages = _RAW_LIST.decode(messages)
+            except (msgspec.DecodeError, RecursionError):
+                messages = None
+        if not isinstance(messages, list) or not messages:
             raise BadRequestError("'messages' must be a non-empty list", param="messages")
     elif "prompt" not in body:
         raise BadRequestError("'prompt' is required", param="prompt")
@@ -124,8 +204,9 @@ def prefill_body(
 ) -> dict[str, Any]:
     """The request for the prefill instance: one token, no streaming, KV kept for a remote
     decode, the ids the capture plugin publishes the PrefillDone under and how long the
-    gateway will wait for the decision (the event's deadline)."""
-    out = copy.deepcopy(dict(body))
+    gateway will wait for the decision (the event's deadline). A shallow copy: nested
+    values are replaced, never changed in place."""
+    out = dict(body)
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
@@ -153,7 +234,7 @@ def decode_body(
 ) -> dict:
     """The request for the decode instance: the client's, plus the prefill's KV handle
     and (in `vllm_xargs`) the request id its decode profile is published under."""
-    out = copy.deepcopy(dict(body))
+    out = dict(body)
     if kv_transfer_params is not None:
         out["kv_transfer_params"] = dict(kv_transfer_params)
     if request_id is not None:
