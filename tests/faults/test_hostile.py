@@ -803,7 +803,7 @@ async def test_a_forged_fleet_does_not_hang_the_trainer(bus: Bus, tmp_path: Path
     assert capped_s < 30
     assert busy.status == "skipped"
     assert "under way" in busy.message
-    assert busy_s < 1.0
+    assert busy_s < 3.0  # the event loop shares the GIL with the fit and 2,100 reports/s
     assert timed_out.status == "error"
     assert "fit_timeout_s=3" in timed_out.message
     assert timed_out_s < 6
