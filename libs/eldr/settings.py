@@ -2,7 +2,9 @@
 
 `BusSettings` says how to reach NATS and how much to accept from it; `RetentionSettings`
 sizes the JetStream streams; `CommonSettings` adds what every service process has (log
-level, metrics port, instance id). Each service subclasses `CommonSettings` with its own
+level, metrics port, instance id); `GeometrySettings` (routers, signature replicas, the
+trainer) says which model geometries to accept, `BlockHashSettings` (producers of block
+hashes) the deployment's block-hash key. Each service subclasses `CommonSettings` with its own
 fields, so one flat `ELDR_` namespace configures a process, e.g. `ELDR_NATS_URL`,
 `ELDR_NAMESPACE`, `ELDR_DECISIONS_MAX_AGE_S`.
 """
