@@ -89,6 +89,8 @@ class SoakResult:
     conflicting: int
     finished_published: int
     expert_union_mean: float
+    batch_mean: float
+    """Requests per decode step: a slower (CPU-starved) run holds more at the same rate."""
     tpot_p50_ms: float
     tpot_p99_ms: float
     rss_start_mib: dict[str, float]
@@ -207,6 +209,7 @@ async def drive(config: SoakConfig, stack: Stack, settings: BusSettings) -> Soak
         conflicting=summary.conflicting,
         finished_published=replay.finished_published,
         expert_union_mean=round(measured["expert_union_mean"], 3),
+        batch_mean=round(measured["batch_mean"], 2),
         tpot_p50_ms=round(measured["tpot_p50_ms"], 3),
         tpot_p99_ms=round(measured["tpot_p99_ms"], 3),
         rss_start_mib=warm.rss_mib,
@@ -252,8 +255,8 @@ def format_result(r: SoakResult) -> str:
             f"{'on' if r.config['profiles'] == 'True' else 'off'}",
             f"requests sent {r.sent}, decided {r.decided}, lost {r.lost}, conflicting "
             f"{r.conflicting}, finish events {r.finished_published}",
-            f"expert union/layer/step {r.expert_union_mean:.3f}, TPOT P50 {r.tpot_p50_ms:.2f} ms, "
-            f"P99 {r.tpot_p99_ms:.2f} ms",
+            f"expert union/layer/step {r.expert_union_mean:.3f} at a mean batch of "
+            f"{r.batch_mean:.1f}, TPOT P50 {r.tpot_p50_ms:.2f} ms, P99 {r.tpot_p99_ms:.2f} ms",
             f"router RSS MiB (after {r.config['warmup_s']} s -> end): {rss}",
             f"activity entries per router: max {r.activity_entries_max:.0f}, median of samples "
             f"{float(np.median(per_sample)) if per_sample.size else 0:.0f}; largest excess over "
