@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import re
 import time
 import urllib.request
@@ -98,11 +99,20 @@ class SoakResult:
     activity_entries_max: float
     excess_over_in_flight_max: float
     evictions: dict[str, float]
+    cpu_s: dict[str, float] = field(default_factory=dict)
+    """CPU seconds each service process used over the run (the machine's budget)."""
     samples: list[Sample] = field(default_factory=list)
     wall_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process has used (`/proc/<pid>/stat`)."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rss_mib(pid: int) -> float:
@@ -164,6 +174,7 @@ async def drive(config: SoakConfig, stack: Stack, settings: BusSettings) -> Soak
     started = time.monotonic()
     samples: list[Sample] = []
     bus = await Bus.connect(settings, "eldr-soak")
+    cpu_before = {p.instance_id: cpu_s(p.pid) for p in stack.processes}
     try:
         await set_policy(bus, config.policy, 0.1, config.router_replicas)
         await worker_stats(bus, config.decoders, reset=True)
@@ -198,6 +209,10 @@ async def drive(config: SoakConfig, stack: Stack, settings: BusSettings) -> Soak
         finally:
             task.cancel()
         measured = summarize_workers(await worker_stats(bus, config.decoders))
+        used = {
+            p.instance_id: round(cpu_s(p.pid) - cpu_before.get(p.instance_id, 0.0), 1)
+            for p in stack.processes
+        }
     finally:
         await bus.drain()
     warm = next((s for s in samples if s.t_s >= config.warmup_s), samples[0])
@@ -217,6 +232,7 @@ async def drive(config: SoakConfig, stack: Stack, settings: BusSettings) -> Soak
         activity_entries_max=max(max(s.activity_entries.values(), default=0.0) for s in samples),
         excess_over_in_flight_max=max(s.excess_over_in_flight for s in samples),
         evictions=evictions(stack),
+        cpu_s=used,
         samples=samples,
         wall_s=round(time.monotonic() - started, 1),
     )
@@ -262,6 +278,7 @@ def format_result(r: SoakResult) -> str:
             f"{float(np.median(per_sample)) if per_sample.size else 0:.0f}; largest excess over "
             f"a worker's in-flight {r.excess_over_in_flight_max:.0f}",
             f"evictions {r.evictions}",
+            f"CPU seconds used: {r.cpu_s} (total {sum(r.cpu_s.values()):.0f})",
             f"wall {r.wall_s} s",
         ]
     )
