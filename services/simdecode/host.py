@@ -3,7 +3,11 @@
 Each worker is an `eldr.sim.worker.BatchingWorker` driven by an asyncio task: while it has
 requests it plans a step, sleeps the step's cost-model duration times `time_scale`, and
 finishes the step. Steps are chained on a deadline (the next step starts when the previous
-one should have ended), so event-loop jitter does not accumulate into the simulated clock.
+one should have ended), so event-loop jitter does not accumulate into the simulated clock:
+a step the loop starts late keeps its planned start (the following sleeps are shorter until
+the worker has caught up; requests submitted meanwhile join the first boundary after their
+submission), unless the worker is more than `max_lag_s` behind, when its schedule restarts
+from now. Both are measured (`eldr_simdecode_late_seconds_total`, `..._lost_seconds_total`).
 
 Bus surface per worker: `DecodeJob` requests on `{ns}.sim.decode.{worker}` (answered at
 once), `LoadReport`s on `{ns}.load.{worker}` every report interval, a `DecodeJobDone` to
@@ -125,6 +129,26 @@ class SimDecodeMetrics:
             "LoadReports published.",
             registry=registry,
         )
+        self.late_seconds = Counter(
+            "eldr_simdecode_late_seconds_total",
+            "Real seconds busy workers' steps started after their predecessor's planned end "
+            "(the event loop was late): time the modelled hardware would not have lost.",
+            ["worker"],
+            registry=registry,
+        )
+        self.late_steps = Counter(
+            "eldr_simdecode_late_steps_total",
+            "Steps of a busy worker that started after their predecessor's planned end.",
+            ["worker"],
+            registry=registry,
+        )
+        self.lost_seconds = Counter(
+            "eldr_simdecode_lost_seconds_total",
+            "Of the late seconds, those a busy worker could not catch up with (late by more "
+            "than max_lag_s, its schedule restarted): time added to the modelled one.",
+            ["worker"],
+            registry=registry,
+        )
 
 
 @dataclass(frozen=True)
@@ -143,6 +167,10 @@ class HostConfig:
     publish_profiles: bool = True
     """Publish a DecodeProfile per finished request (off: like a decode instance without
     the capture plugin; the finish events alone close the loop)."""
+    max_lag_s: float = 0.25
+    """A busy worker whose event loop is late keeps its steps on the cost model's schedule
+    (shorter sleeps until it has caught up) while it is late by at most this (real
+    seconds); beyond, its schedule restarts from now and the lag is counted as lost."""
 
 
 @dataclass
@@ -347,16 +375,35 @@ class SimDecodeHost:
         state = live.state
         scale = self.config.time_scale
         m = self.metrics
+        busy = False
         while True:
             now = self._clock()
             if live.deadline_s < now:
-                live.deadline_s = now  # idle (or late): the simulated clock restarts here
+                late = now - live.deadline_s
+                if busy:
+                    # The event loop woke us late: the hardware modelled would have started
+                    # this step on time, so the schedule stands and the next sleeps are
+                    # shorter until it is caught up (requests submitted meanwhile join the
+                    # first step boundary after their submission).
+                    m.late_seconds.labels(wid).inc(late)
+                    m.late_steps.labels(wid).inc()
+                if not busy or late > self.config.max_lag_s:
+                    if busy:
+                        m.lost_seconds.labels(wid).inc(late)
+                    live.deadline_s = now  # idle (or hopelessly late): restart from now
             plan = state.start_step(live.deadline_s / scale)
+            if plan is None and state.waiting:
+                # Only requests submitted after this (past) boundary are left: start afresh.
+                busy = False
+                live.deadline_s = max(live.deadline_s, self._clock())
+                continue
             if plan is None:
+                busy = False
                 live.wake.clear()
                 self._update_gauges(wid, state)
                 await live.wake.wait()
                 continue
+            busy = True
             live.deadline_s += plan.duration_s * scale
             m.steps.labels(wid).inc()
             m.union.labels(wid).observe(plan.union_per_layer)

@@ -28,6 +28,7 @@ def host_config(settings: SimDecodeSettings) -> HostConfig:
         kv_capacity_tokens=settings.simdecode_kv_capacity_tokens,
         report_interval_s=settings.simdecode_report_interval_s,
         drain_grace_s=settings.simdecode_drain_grace_s,
+        max_lag_s=settings.simdecode_max_lag_s,
         profile_queue=settings.simdecode_profile_queue,
         publish_profiles=settings.simdecode_publish_profiles,
     )

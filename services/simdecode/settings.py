@@ -61,6 +61,15 @@ class SimDecodeSettings(CommonSettings):
     simdecode_report_interval_s: float = Field(
         default=0.1, gt=0.0, le=60.0, description="Interval of LoadReports (real seconds)."
     )
+    simdecode_max_lag_s: float = Field(
+        default=0.25,
+        ge=0.0,
+        le=60.0,
+        description="A busy worker whose event loop wakes it late keeps its steps on the cost "
+        "model's schedule (catching up with shorter sleeps) while it is late by at most this "
+        "many real seconds; beyond, its schedule restarts from now (counted in "
+        "eldr_simdecode_lost_seconds_total).",
+    )
     simdecode_drain_grace_s: float = Field(
         default=5.0,
         ge=0.0,

@@ -121,6 +121,25 @@ def test_request_submitted_mid_step_joins_at_the_next_boundary() -> None:
     assert second.batch_size == 2
 
 
+def test_a_boundary_before_a_submission_does_not_admit_it() -> None:
+    # A live worker catching up with a late event loop runs boundaries in its past: a
+    # request that arrived later joins the first boundary after its submission.
+    w = worker()
+    w.submit("a", ids([[0, 0]] * 3), 0.0)
+    first = w.start_step(0.0)
+    assert first is not None
+    w.submit("b", ids([[1, 1]] * 2), 0.05)
+    w.finish_step(first, first.duration_s)
+    behind = w.start_step(first.duration_s)  # 0.012 s, before b's submission
+    assert behind is not None
+    assert behind.admitted == ()
+    assert behind.batch_size == 1
+    w.finish_step(behind, 2 * first.duration_s)
+    later = w.start_step(0.05)
+    assert later is not None
+    assert later.admitted == ("b",)
+
+
 def test_full_batch_keeps_requests_waiting_until_a_slot_frees() -> None:
     w = worker(max_batch=2)
     w.submit("a", ids([[0, 0]]), 0.0)
@@ -237,7 +256,9 @@ def test_every_request_finishes_and_kv_returns_to_zero(
     assert w.kv_tokens == kv_before
     while not w.idle:
         plan = w.start_step(now)
-        assert plan is not None
+        if plan is None:  # idle until the next submission (a boundary admits only the past)
+            now = min(t.submitted_s for t in w.waiting)
+            continue
         assert plan.batch_size <= max_batch
         now += plan.duration_s
         finished |= {f.request_id for f in w.finish_step(plan, now)}

@@ -10,7 +10,9 @@ Semantics, the same as the simulator's:
 - A submitted request waits until the next step boundary; there the waiting requests join
   the batch in arrival order while the batch has fewer than `max_batch` requests and their
   KV (prompt plus decode budget) fits `kv_capacity_tokens` (a lone request is always
-  admitted, so an oversized one cannot block the queue forever).
+  admitted, so an oversized one cannot block the queue forever). A boundary earlier than a
+  request's submission does not admit it (a live worker running its steps on schedule
+  while it catches up with a late event loop).
 - A step advances every running request by one decode token. It costs what the cost model
   says for the distinct (MoE layer, expert) pairs the batch's current decode tokens route
   to and for the KV tokens the batch's attention reads (those of the running requests).
@@ -253,6 +255,8 @@ class BatchingWorker:
         reserved = sum(t.kv_reserved_tokens for t in self.running)
         while self.waiting and len(self.running) < self.max_batch:
             task = self.waiting[0]
+            if task.submitted_s > now_s:
+                break  # not there yet at this step boundary (a live worker catching up)
             if self.running and reserved + task.kv_reserved_tokens > self.kv_capacity_tokens:
                 break
             self.waiting.popleft()
