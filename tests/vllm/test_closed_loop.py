@@ -336,15 +336,19 @@ async def test_the_loop_closes_on_real_decode_workers(engines: Engines, tmp_path
 
     # Decisions went to both workers, and followed load: where the two workers' recorded
     # in-flight counts differ by 3 or more, most go to the less loaded one.
+    # (A record may be an expired one: a router that took the event after the gateway's
+    # decision budget assigned no worker; the gateway then chose one itself.)
     assert set(decisions) == {s.request_id for s in plan}
-    per_worker = Counter(d.worker_id for d in decisions.values())
+    assigned = [d for d in decisions.values() if d.assigned]
+    per_worker = Counter(d.worker_id for d in assigned)
     assert set(per_worker) == set(DECODE_IDS), per_worker
     assert all(d.policy == "eldr_cost" for d in decisions.values())
-    lopsided = [d for d in decisions.values() if _spread(d) >= 3]
+    lopsided = [d for d in assigned if _spread(d) >= 3]
     to_lighter = [d for d in lopsided if _load_of(d, d.worker_id) == _min_load(d)]
     print(
-        f"decisions per worker {dict(per_worker)}; {len(to_lighter)} of {len(lopsided)} "
-        "decisions with a load gap >= 3 went to the less loaded worker"
+        f"decisions per worker {dict(per_worker)}, {len(decisions) - len(assigned)} expired; "
+        f"{len(to_lighter)} of {len(lopsided)} decisions with a load gap >= 3 went to the "
+        "less loaded worker"
     )
     if lopsided:
         assert len(to_lighter) >= 0.75 * len(lopsided)
