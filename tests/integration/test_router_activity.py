@@ -234,9 +234,7 @@ async def test_finish_events_release_activity_without_any_decode_profile(
         # A finish published on another gateway's subject is refused and counted.
         await gateway_says_finished(bus, "y0", "d1", gateway="gw0", subject_gateway="gw1")
         deadline = time.monotonic() + 10
-        name = (
-            'eldr_bus_messages_rejected_total{family="finished",reason="identity_mismatch"}'
-        )
+        name = 'eldr_bus_messages_rejected_total{family="finished",reason="identity_mismatch"}'
         while await metric(port, name) < 1:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.05)
