@@ -118,6 +118,12 @@ class GatewayMetrics:
             ["source"],
             registry=r,
         )
+        self.prefill_reconnects = Counter(
+            "eldr_gateway_prefill_reconnects_total",
+            "Prefill requests sent again on a fresh connection after the instance dropped "
+            "the kept-alive one before answering.",
+            registry=r,
+        )
         self.decode_retries = Counter(
             "eldr_gateway_decode_retries_total",
             "Decode attempts moved to the next candidate after a failure before streaming.",
@@ -233,6 +239,7 @@ class Gateway:
         Returns (instance id, response JSON); raises web.HTTPException-like errors via
         `UpstreamError` or returns the upstream's client error as a `ClientAnswer`."""
         tried: list[str] = []
+        reconnected: set[str] = set()
         while True:
             name = self.prefill_picker.pick(exclude=tried)
             if name is None:
@@ -257,6 +264,21 @@ class Gateway:
                         raise ClientAnswer(resp.status, payload, resp.content_type)
                     self.metrics.prefill_seconds.observe(time.perf_counter() - started)
                     return name, json.loads(payload)
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                # Most often a kept-alive connection the server closed as we sent on it:
+                # nothing reached the engine, so the same instance is asked once more.
+                if name not in reconnected:
+                    reconnected.add(name)
+                    tried.remove(name)
+                    self.metrics.prefill_reconnects.inc()
+                    log.info(
+                        "prefill %s dropped the connection for %s (%s); again",
+                        name,
+                        request_id,
+                        exc,
+                    )
+                else:
+                    log.warning("prefill %s unreachable for %s: %s", name, request_id, exc)
             except (aiohttp.ClientConnectionError, TimeoutError) as exc:
                 log.warning("prefill %s unreachable for %s: %s", name, request_id, exc)
             finally:
