@@ -35,6 +35,8 @@ COMMAND_MODULES: tuple[str, ...] = (
     "eldr.dev.cli",
     "eldr.trainer_cli",
     "eldr.dev.demo",
+    "eldr.dev.compare",
+    "eldr.dev.fit_synthetic",
     "eldr.dev.soak",
     "eldr.partitions_cli",
     "eldr.deploy_cli",

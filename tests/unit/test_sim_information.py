@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
@@ -55,7 +56,6 @@ def workload(n: int = 12, seed: int = 0) -> tuple[list[SimRequest], np.ndarray, 
         counts[:, (home + 1) % E] = 1
         demands.append(expert_demand(counts))
     arrivals = rng.integers(0, n, size=400)
-    scores = rng.random((n, 4)).astype(np.float32)
     return reqs, arrivals, demands
 
 
@@ -106,13 +106,15 @@ def same(a: SimResult, b: SimResult) -> None:
         MarginalUnion,
     ],
 )
-def test_with_every_delay_zero_it_is_the_perfect_information_simulation(make) -> None:
+def test_with_every_delay_zero_it_is_the_perfect_information_simulation(
+    make: Callable[[], Policy],
+) -> None:
     # Through the live router's own tables, decision for decision.
     same(run(make()), run(make(), InformationModel.perfect()))
 
 
 @pytest.mark.parametrize("make", [JoinShortestQueue, LocalityBand, MarginalUnion])
-def test_two_replicas_with_instant_information_decide_as_one(make) -> None:
+def test_two_replicas_with_instant_information_decide_as_one(make: Callable[[], Policy]) -> None:
     perfect = run(make(), InformationModel.perfect(routers=2))
     same(run(make()), perfect)
     assert set(perfect.replica_of.tolist()) == {0, 1}
@@ -222,3 +224,11 @@ def test_a_bad_model_is_refused() -> None:
         InformationModel(routers=0)
     with pytest.raises(ValueError, match="commit_s"):
         InformationModel(commit_s=-1.0)
+
+
+def test_arrivals_split_by_measured_shares() -> None:
+    model = InformationModel(routers=2, shares=(0.85, 0.15))
+    shares = np.bincount(split_arrivals(model, 10_000, 0)) / 10_000
+    assert shares == pytest.approx([0.85, 0.15], abs=0.02)
+    with pytest.raises(ValueError, match="shares"):
+        InformationModel(routers=2, shares=(0.5, 0.6))

@@ -1043,10 +1043,11 @@ def _load_input(args: argparse.Namespace) -> TraceSet:
         from eldr.data.traces import load_trace_dir
 
         return load_trace_dir(args.traces, num_experts=args.num_experts)
-    from eldr.core.synthetic import SyntheticSpec, generate
+    from eldr.core.synthetic import generate
+    from eldr.core.synthetic_fit import FITTED_SPEC
 
-    spec = SyntheticSpec(num_moe_layers=24, num_experts=128, top_k=1, num_topics=6)
-    return generate(spec, args.synthetic_requests, np.random.default_rng(args.seed))
+    # The demo's workload: fitted to the real traces' statistics.
+    return generate(FITTED_SPEC, args.synthetic_requests, np.random.default_rng(args.seed))
 
 
 def _floats(text: str) -> tuple[float, ...]:

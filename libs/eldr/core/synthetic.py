@@ -20,9 +20,15 @@ The generative model ("world"), drawn once per workload from a `numpy.random.Gen
   So requests sharing a token prefix have identical expert ids over that prefix, as in a
   real model, and prefix-cache summaries are exact.
 - Decode: each decode token draws top-k distinct experts (exponential race, from `rng`)
-  from `rho * own + (1 - rho) * topic`, where `own` is the request's prefill expert
-  distribution at that layer and `topic` its topic's distribution; rho tunes how well a
-  request's prefill predicts its decode experts.
+  from `rho * own + (1 - rho) * ((1 - s) * topic + s * private)`, where `own` is the
+  request's prefill expert distribution at that layer, `topic` its topic's distribution and
+  `private` a distribution of the request's own that its prompt does not show (drawn per
+  request and layer from a Dirichlet whose parameters are the topic's distribution: its mean
+  is the topic's distribution and, with a total concentration of 1, each draw puts most of
+  its mass on a few of the topic's popular experts: requests vary around their topic while
+  the workload's overall popularity stays the topics'); rho tunes how well a request's
+  prefill predicts its decode experts, s (`request_specificity`, default 0: no private
+  part, no extra draws) how much requests of one topic differ in what they decode.
 """
 
 from __future__ import annotations
@@ -115,6 +121,7 @@ class SyntheticSpec:
     vocab_size: int = 32_000
     token_affinity: float = 0.3
     topic_token_share: float = 0.8
+    request_specificity: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_topics <= 0:
@@ -127,7 +134,7 @@ class SyntheticSpec:
             raise ValueError(f"top_k must be in [1, num_experts], got {self.top_k}")
         if self.popularity_skew < 0:
             raise ValueError(f"popularity_skew must be >= 0, got {self.popularity_skew}")
-        for name in ("topic_specialisation", "rho", "topic_token_share"):
+        for name in ("topic_specialisation", "rho", "topic_token_share", "request_specificity"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must lie in [0, 1], got {value}")
@@ -173,6 +180,7 @@ class SyntheticSpec:
             f"prefix_blocks={self.shared_prefix_blocks} block={self.block_size} "
             f"vocab={self.vocab_size} affinity={self.token_affinity:g} "
             f"topic_share={self.topic_token_share:g}"
+            + (f" specificity={self.request_specificity:g}" if self.request_specificity else "")
         )
 
 
@@ -250,8 +258,11 @@ class SyntheticWorld:
         race = -np.log(_unit_interval(bits).astype(np.float32)) / probs.astype(np.float32)
         return _k_smallest(race, k)
 
-    def decode_distribution(self, prefill: np.ndarray, topic: int) -> np.ndarray:
-        """`rho * own + (1 - rho) * topic` per layer: float64 [L, E]."""
+    def decode_distribution(
+        self, prefill: np.ndarray, topic: int, private: np.ndarray | None = None
+    ) -> np.ndarray:
+        """`rho * own + (1 - rho) * ((1 - s) * topic + s * private)` per layer: float64
+        [L, E] (`private`: the request's own [L, E] distribution; None: s taken as 0)."""
         spec = self.spec
         L, E = spec.num_moe_layers, spec.num_experts
         if prefill.shape[0]:
@@ -260,7 +271,11 @@ class SyntheticWorld:
             own /= own.sum(axis=1, keepdims=True)
         else:
             own = self.topic_dist[topic]
-        mixed: np.ndarray = spec.rho * own + (1.0 - spec.rho) * self.topic_dist[topic]
+        rest = self.topic_dist[topic]
+        if private is not None and spec.request_specificity > 0:
+            s = spec.request_specificity
+            rest = (1.0 - s) * rest + s * private
+        mixed: np.ndarray = spec.rho * own + (1.0 - spec.rho) * rest
         return mixed
 
 
@@ -336,7 +351,12 @@ def generate(
         tokens = np.concatenate([world.prefixes[topic], body]).astype(np.uint32)
         prefill = world.route_prefill(tokens)
         decode_len = int(rng.integers(spec.decode_len_range[0], spec.decode_len_range[1] + 1))
-        q = world.decode_distribution(prefill, topic).astype(np.float32)
+        private = None
+        if spec.request_specificity > 0:
+            # Dirichlet(topic) per layer, by normalised gammas (tiny shapes give zeros).
+            gammas = rng.standard_gamma(world.topic_dist[topic])
+            private = gammas / np.maximum(gammas.sum(axis=1, keepdims=True), 1e-300)
+        q = world.decode_distribution(prefill, topic, private).astype(np.float32)
         with np.errstate(divide="ignore"):
             inv_q = np.float32(1.0) / q  # experts with q = 0 never arrive (inf)
         race = rng.standard_exponential(size=(decode_len, L, E), dtype=np.float32) * inv_q

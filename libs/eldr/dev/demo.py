@@ -22,9 +22,10 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Awaitable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -32,10 +33,12 @@ from eldr.bench.routing_bench import rates_for_batch_targets, stratified_split
 from eldr.bus import Bus, BusError, RemoteError, stream_name
 from eldr.bus.topology import DECISIONS
 from eldr.core.synthetic import SyntheticSpec, generate
+from eldr.core.synthetic_fit import FITTED_SPEC
 from eldr.core.trace import TraceSet
 from eldr.data.profiles import DEFAULT_PROFILE_FOR_TRACES, load_catalog
 from eldr.dev.replayer import ReplayConfig, ReplaySummary, TraceReplayer
 from eldr.dev.stack import Stack, StackConfig
+from eldr.progress import NO_PROGRESS, Progress, terminal_progress
 from eldr.runtime import run_async
 from eldr.settings import BusSettings
 from eldr.wire import (
@@ -57,8 +60,8 @@ class DemoConfig:
     num_experts: int | None = None
     synthetic_requests: int = 600
     synthetic_spec: SyntheticSpec | None = None
-    """The synthetic workload; None = Llama-4-Maverick's routing geometry with the
-    generator's default topic structure."""
+    """The synthetic workload; None = the one fitted to the real traces
+    (`eldr.core.synthetic_fit.FITTED_SPEC`)."""
     decoders: int = 8
     calibration_requests: int = 600
     evaluation_requests: int = 1500
@@ -81,6 +84,10 @@ class DemoConfig:
     router_replicas: int = 2
     echo_services: bool = False
     service_log_level: str = "WARNING"
+    max_batch: int = 64
+    """Most requests a simulated decode worker runs at once (`ELDR_SIMDECODE_MAX_BATCH`)."""
+    report_interval_s: float = 0.1
+    """Load-report period of the simulated decode workers (`ELDR_SIMDECODE_REPORT_INTERVAL_S`)."""
 
 
 @dataclass
@@ -125,11 +132,10 @@ def load_input(config: DemoConfig) -> TraceSet:
         from eldr.data.traces import load_trace_dir
 
         return load_trace_dir(config.traces, num_experts=config.num_experts)
-    # Llama-4-Maverick's routing geometry (24 MoE layers x 128 experts, top-1), the model of
-    # the default cost profile the simulated workers use.
-    spec = config.synthetic_spec or SyntheticSpec(
-        num_topics=6, num_moe_layers=24, num_experts=128, top_k=1
-    )
+    # Fitted to the real Llama-4-Maverick traces (`eldr.core.synthetic_fit.FITTED_SPEC`):
+    # their routing geometry (the model of the default cost profile), topics, skew,
+    # correlation and lengths.
+    spec = config.synthetic_spec or FITTED_SPEC
     return generate(spec, config.synthetic_requests, np.random.default_rng(config.seed))
 
 
@@ -197,7 +203,48 @@ def summarize_workers(stats: list[SimStats]) -> dict[str, float]:
     }
 
 
-async def drive(config: DemoConfig, settings: BusSettings, traces: TraceSet) -> DemoResult:
+class DemoObserver(Protocol):
+    """Hooks into a demo run (`eldr compare-live` records what the live stack did)."""
+
+    def on_stack(self, stack: Stack) -> None:
+        """The local stack is up (its processes and their metrics URLs)."""
+
+    async def on_start(self, bus: Bus, evaluation: TraceSet, rate_per_s: float) -> None:
+        """Before calibration: the evaluation pool and the arrival rate."""
+
+    async def on_partition(self, bus: Bus, version: int) -> None:
+        """Every router has loaded partition `version`."""
+
+    async def before_pass(self, bus: Bus, policy: str) -> None:
+        """The routers run `policy`; its evaluation pass starts next."""
+
+    async def after_pass(
+        self, bus: Bus, policy: str, replayer: TraceReplayer, summary: ReplaySummary
+    ) -> None:
+        """Its evaluation pass is over: every request decoded and its finish published."""
+
+
+async def _with_progress(
+    run: Awaitable[ReplaySummary], replay: TraceReplayer, progress: Progress
+) -> ReplaySummary:
+    """Await a replay run, advancing `progress` by the requests it starts."""
+    task = asyncio.ensure_future(run)
+    shown = 0
+    while not task.done():
+        await asyncio.wait({task}, timeout=0.25)
+        now = replay.started_requests
+        progress.advance(now - shown)
+        shown = now
+    return task.result()
+
+
+async def drive(
+    config: DemoConfig,
+    settings: BusSettings,
+    traces: TraceSet,
+    observer: DemoObserver | None = None,
+    progress: Progress = NO_PROGRESS,
+) -> DemoResult:
     started = time.perf_counter()
     cal_idx, ev_idx = stratified_split(
         [t.label for t in traces.traces], 0.4, np.random.default_rng(config.seed)
@@ -213,6 +260,9 @@ async def drive(config: DemoConfig, settings: BusSettings, traces: TraceSet) -> 
     routers = config.router_replicas
     bus = await Bus.connect(settings, "eldr-demo")
     try:
+        if observer is not None:
+            await observer.on_start(bus, ev, rate)
+        progress.describe("calibration (round-robin)")
         log.info(
             "calibration: %d requests under round-robin at %.1f req/s",
             config.calibration_requests,
@@ -223,9 +273,12 @@ async def drive(config: DemoConfig, settings: BusSettings, traces: TraceSet) -> 
             bus, cal, ReplayConfig(model=model, rate_per_s=rate, seed=config.seed)
         )
         async with replay:
-            calibration = await replay.run(config.calibration_requests)
+            calibration = await _with_progress(
+                replay.run(config.calibration_requests), replay, progress
+            )
             await wait_idle(bus, config.decoders, timeout_s=120)
             await replay.wait_decoded(timeout_s=30)
+        progress.describe("refit")
         log.info("refit")
         reply = await bus.request(
             bus.subjects.trainer_refit,
@@ -238,19 +291,28 @@ async def drive(config: DemoConfig, settings: BusSettings, traces: TraceSet) -> 
                 f"the trainer did not fit a partition: {reply.status}: {reply.message}"
             )
         await wait_for_partition(bus, reply.version, routers, timeout_s=60)
+        if observer is not None:
+            await observer.on_partition(bus, reply.version)
         results = []
         for i, policy in enumerate(config.policies):
             log.info("evaluation %d/%d: %s", i + 1, len(config.policies), policy)
+            progress.describe(f"{policy} ({i + 1}/{len(config.policies)})")
             await set_policy(bus, policy, config.tau, routers)
             await worker_stats(bus, config.decoders, reset=True)
+            if observer is not None:
+                await observer.before_pass(bus, policy)
             replay = TraceReplayer(
                 bus, ev, ReplayConfig(model=model, rate_per_s=rate, seed=config.seed + 1)
             )
             async with replay:
-                summary = await replay.run(config.evaluation_requests)
+                summary = await _with_progress(
+                    replay.run(config.evaluation_requests), replay, progress
+                )
                 await wait_idle(bus, config.decoders, timeout_s=120)
                 await replay.wait_decoded(timeout_s=30)
             measured = summarize_workers(await worker_stats(bus, config.decoders))
+            if observer is not None:
+                await observer.after_pass(bus, policy, replay, summary)
             results.append(_policy_result(policy, summary, measured))
         # The record of truth: one message per decided request id in DECISIONS (the
         # first write per request id wins; a second decision could not be stored).
@@ -299,10 +361,10 @@ def _policy_result(policy: str, s: ReplaySummary, m: dict[str, float]) -> Policy
     )
 
 
-def run_demo(config: DemoConfig) -> DemoResult:
-    traces = load_input(config)
+def stack_config(config: DemoConfig, traces: TraceSet) -> StackConfig:
+    """The local stack a demo runs on."""
     namespace = config.namespace or f"demo{uuid.uuid4().hex[:8]}"
-    stack_config = StackConfig(
+    return StackConfig(
         namespace=namespace,
         nats_url=config.nats_url,
         database_url=config.database_url,
@@ -313,6 +375,8 @@ def run_demo(config: DemoConfig) -> DemoResult:
             "ELDR_SIMDECODE_TIME_SCALE": str(config.time_scale),
             "ELDR_SIMDECODE_PROFILE": config.profile,
             "ELDR_SIMDECODE_NUM_EXPERTS": str(traces.geometry.num_experts),
+            "ELDR_SIMDECODE_MAX_BATCH": str(config.max_batch),
+            "ELDR_SIMDECODE_REPORT_INTERVAL_S": str(config.report_interval_s),
             "ELDR_REFIT_INTERVAL_S": "0",
             "ELDR_MIN_SAMPLES": str(min(256, config.calibration_requests // 2)),
             "ELDR_POLICY": "round_robin",
@@ -323,8 +387,24 @@ def run_demo(config: DemoConfig) -> DemoResult:
         echo=config.echo_services,
         log_dir=config.state_dir / "logs",
     )
-    with Stack(stack_config) as stack:
-        return run_async(drive(config, stack.bus_settings(), traces))
+
+
+def demo_requests(config: DemoConfig) -> int:
+    """Requests a demo replays in all (the unit of its progress bar)."""
+    return config.calibration_requests + len(config.policies) * config.evaluation_requests
+
+
+def run_demo(
+    config: DemoConfig,
+    observer: DemoObserver | None = None,
+    progress: Progress = NO_PROGRESS,
+    traces: TraceSet | None = None,
+) -> DemoResult:
+    traces = traces if traces is not None else load_input(config)
+    with Stack(stack_config(config, traces)) as stack:
+        if observer is not None:
+            observer.on_stack(stack)
+        return run_async(drive(config, stack.bus_settings(), traces, observer, progress))
 
 
 def format_result(result: DemoResult) -> str:
@@ -367,6 +447,76 @@ def format_result(result: DemoResult) -> str:
     return "\n".join(lines)
 
 
+def plot_result(result: DemoResult, path: Path) -> None:
+    """PNG: expert union per step and TPOT P50/P99 per policy, against the first (baseline)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result.results
+    names = [r.policy for r in rows]
+    x = np.arange(len(rows))
+    base = rows[0]
+    fig, (ax_u, ax_t) = plt.subplots(1, 2, figsize=(11, 4.2))
+    unions = [r.expert_union_mean for r in rows]
+    bars = ax_u.bar(x, unions, color=["0.6"] + ["C0"] * (len(rows) - 1))
+    for bar, r in zip(bars, rows, strict=True):
+        label = f"{r.expert_union_mean:.2f}"
+        if r is not base and base.expert_union_mean > 0:
+            label += f"\n{100 * (r.expert_union_mean / base.expert_union_mean - 1):+.1f}%"
+        ax_u.annotate(
+            label,
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
+    ax_u.set_xticks(x, names)
+    ax_u.set_ylabel("distinct experts / MoE layer / step")
+    ax_u.set_title("expert union (lower is better)")
+    ax_u.set_ylim(0, max(unions) * 1.2 if unions else 1)
+    width = 0.38
+    for offset, key, label in (
+        (-width / 2, "tpot_p50_ms", "P50"),
+        (width / 2, "tpot_p99_ms", "P99"),
+    ):
+        values = [getattr(r, key) for r in rows]
+        tb = ax_t.bar(x + offset, values, width, label=label)
+        for bar, r in zip(tb, rows, strict=True):
+            ref = getattr(base, key)
+            text = f"{getattr(r, key):.2f}"
+            if r is not base and ref > 0:
+                text += f"\n{100 * (getattr(r, key) / ref - 1):+.1f}%"
+            ax_t.annotate(
+                text,
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+            )
+    lo = min(min(r.tpot_p50_ms for r in rows), min(r.tpot_p99_ms for r in rows))
+    hi = max(r.tpot_p99_ms for r in rows)
+    ax_t.set_ylim(lo * 0.97, hi * 1.03)
+    ax_t.set_xticks(x, names)
+    ax_t.set_ylabel("ms (simulated; axis not from 0)")
+    ax_t.set_title("TPOT (lower is better)")
+    ax_t.legend(loc="upper right")
+    inp = result.input
+    kind = "real traces" if not inp["synthetic"] else "SYNTHETIC workload"
+    fig.suptitle(
+        f"eldr demo: {inp['decoders']} decode workers, {result.rate_per_s} req/s, {kind}",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+DEFAULT_PNG = Path("out/demo.png")
+
+
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "demo",
@@ -384,14 +534,26 @@ def register(subparsers: Any) -> None:
     p.add_argument("--time-scale", type=float, default=1.0)
     p.add_argument("--tau", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--database-url", default=None, help="default: SQLite in .eldr/")
+    p.add_argument("--database-url", default=None, help="default: SQLite in the state directory")
+    p.add_argument(
+        "--state-dir", type=Path, default=Path(".eldr"), help="local stack state (default .eldr)"
+    )
     p.add_argument("--nats-url", default=None, help="default: an embedded nats-server")
     p.add_argument("--echo-services", action="store_true", help="show the services' logs")
     p.add_argument("--json", type=Path, help="write the result as JSON here")
+    p.add_argument(
+        "--png",
+        type=Path,
+        default=DEFAULT_PNG,
+        help=f"write the chart here (default {DEFAULT_PNG})",
+    )
     p.set_defaults(func=_main)
 
 
 def _main(args: argparse.Namespace) -> int:
+    for out in (args.json, args.png):
+        if out is not None:  # fail now, not after the run
+            out.parent.mkdir(parents=True, exist_ok=True)
     config = DemoConfig(
         traces=args.traces,
         num_experts=args.num_experts,
@@ -404,16 +566,21 @@ def _main(args: argparse.Namespace) -> int:
         tau=args.tau,
         seed=args.seed,
         database_url=args.database_url,
+        state_dir=args.state_dir,
         nats_url=args.nats_url,
         echo_services=args.echo_services,
     )
     try:
-        result = run_demo(config)
+        with terminal_progress(demo_requests(config), "eldr demo", unit="req") as progress:
+            result = run_demo(config, progress=progress)
     except (BusError, RemoteError, RuntimeError, TimeoutError) as exc:
         log.error("demo failed: %s (service logs in %s)", exc, config.state_dir / "logs")
         return 1
     print(format_result(result))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result.as_dict(), indent=2))
+        print(f"result: {args.json}")
+    if args.png:
+        plot_result(result, args.png)
+        print(f"chart: {args.png}")
     return 0

@@ -299,6 +299,11 @@ class TraceReplayer:
         return self._conflicting
 
     @property
+    def started_requests(self) -> int:
+        """Requests the current (or last) run has started so far (for progress bars)."""
+        return len(self._state.records)
+
+    @property
     def published_blocks(self) -> int:
         """Distinct blocks published so far (the simulated prefix cache's size)."""
         return len(self._published)

@@ -67,23 +67,25 @@ class InformationModel:
     routers: int = DEMO_ROUTERS
     report_interval_s: float = SIMDECODE_REPORT_INTERVAL_S
     """0: every time a router looks it has a report from that instant (perfect load)."""
-    report_hop_s: float = 0.0005
-    """Load report publish -> routers: a core NATS publish between local processes (0.3-0.6
-    ms measured by `eldr compare-live`'s probe on the development machine, 2026-12-01;
-    docs/BENCHMARKS.md section 4)."""
-    commit_s: float = 0.002
+    report_hop_s: float = 0.003
+    """Load report publish -> routers: a core NATS publish between local processes.
+    Measured by `eldr compare-live`'s probe (receive time - `LoadReport.ts_s`, median) on the
+    development machine, 2026-12-01, real traces: 2.9 ms in the round-robin pass, 3.5 and
+    4.0 ms in the two others (two shared cores; docs/BENCHMARKS.md section 4)."""
+    commit_s: float = 0.003
     """Decision built -> counted by its own replica: the JetStream publish awaiting its
-    acknowledgement (about 2 ms from a Python client; REFERENCE.md section 6 and the probe)."""
-    propagation_s: float = 0.002
+    acknowledgement, taken as the decision's delivery time to the probe (receive time -
+    `Decision.ts_s`): 2.8 ms median (3.4, 4.7 ms), same run."""
+    propagation_s: float = 0.003
     """Decision built -> counted by the other replicas (stored, then pushed on
-    `decisions.*`; measured by the probe as receive time - `Decision.ts_s`)."""
-    dispatch_s: float = 0.001
-    """Decision -> its job at the worker: the reply to the requester's inbox and the
-    `DecodeJob` request (two core hops)."""
-    finish_lag_s: float = 0.002
-    """Last token -> the finish event at the routers: the worker's `DecodeJobDone` to the
-    gateway, then its `RequestFinished` to the routers (two core hops plus the worker's
-    profile queue)."""
+    `decisions.*`): the same measurement as `commit_s`."""
+    dispatch_s: float = 0.009
+    """Decision built -> its job at the worker (the commit, the reply to the requester's
+    inbox, the requester's `DecodeJob` request): 9.2 ms median (12.3, 18.9 ms), same run."""
+    finish_lag_s: float = 0.012
+    """Last token -> the finish event at the routers (the worker's `DecodeJobDone` to the
+    gateway, then its `RequestFinished` to the routers): 11.8 ms median (16.0, 28.8 ms),
+    same run."""
     expire_period_s: float = ROUTER_EXPIRE_PERIOD_S
     stale_after_s: float = 3.0
     """`ELDR_STALE_AFTER_S` default."""
@@ -94,6 +96,10 @@ class InformationModel:
     split: Split = "random"
     """How arrivals are split between replicas: at random (what the shared pull consumer
     does, as measured by the probe) or alternately."""
+    shares: tuple[float, ...] | None = None
+    """With a random split, each replica's share of the arrivals (None: equal). The shared
+    pull consumer does not split evenly: `eldr compare-live` measured 87% / 13% of the
+    decisions by one replica and the other (85% / 15% in another pass)."""
 
     def __post_init__(self) -> None:
         if self.routers < 1:
@@ -115,6 +121,12 @@ class InformationModel:
             raise ValueError(f"activity_slack must be >= 0, got {self.activity_slack}")
         if self.split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {self.split!r}")
+        if self.shares is not None and (
+            len(self.shares) != self.routers
+            or min(self.shares) < 0
+            or abs(sum(self.shares) - 1.0) > 1e-6
+        ):
+            raise ValueError(f"shares must be {self.routers} non-negative numbers summing to 1")
 
     @classmethod
     def perfect(cls, routers: int = 1) -> InformationModel:
@@ -134,9 +146,10 @@ class InformationModel:
         return asdict(self)
 
 
-LIVE_DEFAULTS = InformationModel()
-"""The local stack's settings (simdecode's report interval, the demo's 2 routers) and hop
-latencies; `eldr bench` reports every policy with these and without them."""
+LIVE_DEFAULTS = InformationModel(shares=(0.87, 0.13))
+"""The local stack's settings (simdecode's report interval, the demo's 2 routers), its hop
+latencies and replica split as measured; `eldr bench` reports the baselines, the default
+and the paper rule with these and without them."""
 VLLM_DEFAULTS = InformationModel(report_interval_s=DECODE_ADAPTER_REPORT_INTERVAL_S)
 """The same with the decode adapter's report interval (real vLLM decode instances)."""
 
@@ -223,6 +236,8 @@ def split_arrivals(model: InformationModel, n_arrivals: int, seed: int) -> np.nd
     if model.split == "alternate":
         return np.arange(n_arrivals, dtype=np.int64) % model.routers
     rng = np.random.default_rng([seed, 4])
+    if model.shares is not None:
+        return rng.choice(model.routers, size=n_arrivals, p=list(model.shares)).astype(np.int64)
     return rng.integers(0, model.routers, size=n_arrivals).astype(np.int64)
 
 
@@ -239,8 +254,11 @@ def describe(model: InformationModel | None) -> str:
     """One line for reports."""
     if model is None:
         return "perfect information"
+    split: str = model.split
+    if model.shares is not None:
+        split += " " + "/".join(f"{100 * x:.0f}%" for x in model.shares)
     parts: Sequence[str] = (
-        f"{model.routers} router(s), split {model.split}",
+        f"{model.routers} router(s), split {split}",
         (
             "perfect load reports"
             if model.report_interval_s == 0
