@@ -75,6 +75,7 @@ log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=Message)
 R = TypeVar("R", bound=Message)
+T = TypeVar("T")
 
 ERROR_HEADER = "Eldr-Error"
 """Header of an error answer from `serve`: a one-line description."""
@@ -965,7 +966,78 @@ class _Handle:
         """Abandon in-flight work (hard close)."""
 
 
-class Service(_Handle, Generic[M, R]):
+class _Receiver(_Handle, Generic[M, T]):
+    """The one receive sequence of every path (`serve`, `subscribe`, `consume`, `replay`):
+    count, decode, check the sender's identity, run the handler (timed), then hand the
+    outcome to the path. Each path says what an outcome means for it (ack or term, an
+    error answer, a dead letter, a log line) by overriding the four hooks."""
+
+    _bus: Bus
+    _message_type: type[M]
+    _identity: str | None = None
+
+    async def _receive(
+        self,
+        msg: Msg,
+        family: str,
+        delivery: Delivery,
+        call: Callable[[M, Delivery], Awaitable[T]],
+    ) -> None:
+        bus = self._bus
+        bus.metrics.received.labels(family).inc()
+        try:
+            message = bus._decode_inbound(msg.data, self._message_type, family)
+        except WireError as exc:
+            await self._on_invalid(msg, family, delivery, exc)
+            return
+        try:
+            started = time.perf_counter()
+            try:
+                check_identity(message, msg.subject, self._identity)
+                result = await call(message, delivery)
+            finally:
+                bus.metrics.handler_seconds.labels(family).observe(time.perf_counter() - started)
+        except Reject as refusal:
+            await self._on_refused(msg, family, delivery, refusal)
+        except Exception as exc:
+            # Inside the except block, so the hook can log the traceback.
+            await self._on_failed(msg, family, delivery, exc)
+        else:
+            await self._on_handled(msg, delivery, result)
+
+    async def _on_invalid(self, msg: Msg, family: str, delivery: Delivery, exc: WireError) -> None:
+        """The bytes are not a valid message (already counted as too_large / invalid)."""
+        log.warning("invalid message on %s: %s", msg.subject, exc)
+        await self._bus._dead_letter(msg, error=str(exc))
+
+    async def _on_refused(self, msg: Msg, family: str, delivery: Delivery, refusal: Reject) -> None:
+        """The handler (or the identity check) refused the message."""
+        await self._bus._refuse(msg, family, refusal)
+
+    async def _on_failed(self, msg: Msg, family: str, delivery: Delivery, exc: Exception) -> None:
+        """The handler raised anything else (called inside the except block)."""
+        log.exception("handler for %s failed", msg.subject)
+        self._bus.metrics.rejected.labels(family, "handler_error").inc()
+
+    async def _on_handled(self, msg: Msg, delivery: Delivery, result: T) -> None:
+        """The handler returned `result`."""
+
+
+def _delivery(msg: Msg, **extra: Any) -> Delivery:
+    """A JetStream message's `Delivery` (from its ack-reply metadata)."""
+    meta = msg.metadata
+    return Delivery(
+        subject=msg.subject,
+        stream=meta.stream,
+        stream_seq=meta.sequence.stream,
+        num_delivered=meta.num_delivered,
+        timestamp_s=meta.timestamp.timestamp(),
+        headers=msg.headers or {},
+        **extra,
+    )
+
+
+class Service(_Receiver[M, bytes], Generic[M, R]):
     """A request/reply server started by `Bus.serve`."""
 
     stop_order = 2
@@ -980,7 +1052,7 @@ class Service(_Handle, Generic[M, R]):
     ) -> None:
         self._bus = bus
         self.subject = subject
-        self._request_type = request_type
+        self._message_type = request_type
         self._handler = handler
         self._family = bus.subjects.family(subject)
         self._slots = asyncio.Semaphore(max_concurrency)
@@ -1000,42 +1072,35 @@ class Service(_Handle, Generic[M, R]):
         self._slots.release()
 
     async def _handle(self, msg: Msg) -> None:
-        bus = self._bus
-        bus.metrics.received.labels(self._family).inc()
-        try:
-            request = bus._decode_inbound(msg.data, self._request_type, self._family)
-        except WireError as exc:
-            log.warning("invalid request on %s: %s", msg.subject, exc)
-            if msg.reply:
-                await bus._respond(
-                    msg.reply, b"", {ERROR_HEADER: _one_line(str(exc)), ERROR_CODE_HEADER: "400"}
-                )
-            await bus._dead_letter(msg, error=str(exc))
-            return
-        started = time.perf_counter()
-        try:
-            reply = await self._handler(request)
-            data = encode(reply)
-        except Reject as refusal:
-            if msg.reply:
-                await bus._respond(
-                    msg.reply,
-                    b"",
-                    {ERROR_HEADER: _one_line(str(refusal)), ERROR_CODE_HEADER: REFUSED_CODE},
-                )
-            await bus._refuse(msg, self._family, refusal)
-            return
-        except Exception as exc:
-            log.exception("request handler for %s failed", msg.subject)
-            bus.metrics.rejected.labels(self._family, "handler_error").inc()
-            if msg.reply:
-                text = _one_line(f"{type(exc).__name__}: {exc}")
-                await bus._respond(msg.reply, b"", {ERROR_HEADER: text, ERROR_CODE_HEADER: "500"})
-            return
-        finally:
-            bus.metrics.handler_seconds.labels(self._family).observe(time.perf_counter() - started)
+        await self._receive(msg, self._family, Delivery(subject=msg.subject), self._answer)
+
+    async def _answer(self, request: M, delivery: Delivery) -> bytes:
+        # Encoding belongs to the handler's outcome: a reply that does not encode is a 500.
+        return encode(await self._handler(request))
+
+    async def _error_answer(self, msg: Msg, text: str, code: str) -> None:
         if msg.reply:
-            await bus._respond(msg.reply, data, None)
+            await self._bus._respond(
+                msg.reply, b"", {ERROR_HEADER: _one_line(text), ERROR_CODE_HEADER: code}
+            )
+
+    async def _on_invalid(self, msg: Msg, family: str, delivery: Delivery, exc: WireError) -> None:
+        log.warning("invalid request on %s: %s", msg.subject, exc)
+        await self._error_answer(msg, str(exc), "400")
+        await self._bus._dead_letter(msg, error=str(exc))
+
+    async def _on_refused(self, msg: Msg, family: str, delivery: Delivery, refusal: Reject) -> None:
+        await self._error_answer(msg, str(refusal), REFUSED_CODE)
+        await self._bus._refuse(msg, family, refusal)
+
+    async def _on_failed(self, msg: Msg, family: str, delivery: Delivery, exc: Exception) -> None:
+        log.exception("request handler for %s failed", msg.subject)
+        self._bus.metrics.rejected.labels(family, "handler_error").inc()
+        await self._error_answer(msg, f"{type(exc).__name__}: {exc}", "500")
+
+    async def _on_handled(self, msg: Msg, delivery: Delivery, result: bytes) -> None:
+        if msg.reply:
+            await self._bus._respond(msg.reply, result, None)
 
     async def stop(self) -> None:
         """Stop taking requests; answer the ones already received."""
@@ -1051,7 +1116,7 @@ class Service(_Handle, Generic[M, R]):
             task.cancel()
 
 
-class Subscription(_Handle, Generic[M]):
+class Subscription(_Receiver[M, None]):
     """A core subscription started by `Bus.subscribe`."""
 
     stop_order = 2
@@ -1074,26 +1139,8 @@ class Subscription(_Handle, Generic[M]):
         self.sub: NatsSubscription | None = None
 
     async def on_msg(self, msg: Msg) -> None:
-        bus = self._bus
-        family = bus.subjects.family(msg.subject)
-        bus.metrics.received.labels(family).inc()
-        try:
-            message = bus._decode_inbound(msg.data, self._message_type, family)
-        except WireError as exc:
-            log.warning("invalid message on %s: %s", msg.subject, exc)
-            await bus._dead_letter(msg, error=str(exc))
-            return
-        started = time.perf_counter()
-        try:
-            check_identity(message, msg.subject, self._identity)
-            await self._handler(message, Delivery(subject=msg.subject, headers=msg.headers or {}))
-        except Reject as refusal:
-            await bus._refuse(msg, family, refusal)
-        except Exception:
-            log.exception("handler for %s failed", msg.subject)
-            bus.metrics.rejected.labels(family, "handler_error").inc()
-        finally:
-            bus.metrics.handler_seconds.labels(family).observe(time.perf_counter() - started)
+        delivery = Delivery(subject=msg.subject, headers=msg.headers or {})
+        await self._receive(msg, self._bus.subjects.family(msg.subject), delivery, self._handler)
 
     async def stop(self) -> None:
         """Stop receiving; handle the messages already received."""
@@ -1103,7 +1150,7 @@ class Subscription(_Handle, Generic[M]):
             self.sub = None
 
 
-class Consumer(_Handle, Generic[M]):
+class Consumer(_Receiver[M, None]):
     """A durable pull consumer driven by standing pull requests (started by `Bus.consume`).
 
     The consumer keeps `outstanding` messages requested from the server, at most
@@ -1235,79 +1282,66 @@ class Consumer(_Handle, Generic[M]):
         return float(min(self._error_backoff_s * 2 ** max(num_delivered - 1, 0), 60.0))
 
     async def _process(self, msg: Msg) -> None:
-        bus = self._bus
-        family = bus.subjects.family(msg.subject)
-        bus.metrics.received.labels(family).inc()
-        meta = msg.metadata
-
         async def in_progress() -> None:
             await self._settle(msg, "in_progress")
 
-        delivery = Delivery(
-            subject=msg.subject,
-            stream=meta.stream,
-            stream_seq=meta.sequence.stream,
-            num_delivered=meta.num_delivered,
-            timestamp_s=meta.timestamp.timestamp(),
-            headers=msg.headers or {},
-            in_progress=in_progress,
+        family = self._bus.subjects.family(msg.subject)
+        await self._receive(msg, family, _delivery(msg, in_progress=in_progress), self._handler)
+
+    def _last_try(self, delivery: Delivery) -> bool:
+        return self.max_deliver > 0 and delivery.num_delivered >= self.max_deliver
+
+    async def _on_invalid(self, msg: Msg, family: str, delivery: Delivery, exc: WireError) -> None:
+        log.warning(
+            "invalid message %s seq %d on %s: %s",
+            self.stream,
+            delivery.stream_seq,
+            msg.subject,
+            exc,
         )
-        last_try = self.max_deliver > 0 and meta.num_delivered >= self.max_deliver
-        try:
-            message = bus._decode_inbound(msg.data, self._message_type, family)
-        except WireError as exc:
-            log.warning(
-                "invalid message %s seq %d on %s: %s",
-                self.stream,
-                meta.sequence.stream,
-                msg.subject,
-                exc,
-            )
-            await self._give_up(msg, delivery, str(exc))
-            return
-        started = time.perf_counter()
-        try:
-            check_identity(message, msg.subject, self._identity)
-            await self._handler(message, delivery)
-        except Reject as refusal:
-            # Never redelivered: the same message would be refused again.
-            stored = await bus._refuse(
-                msg,
-                family,
-                refusal,
-                stream=delivery.stream,
-                stream_seq=delivery.stream_seq,
-                num_delivered=delivery.num_delivered,
-            )
-            if stored:
-                await self._settle(msg, "term")
-            else:
-                await self._settle(msg, "nak", delay_s=self._backoff_s(meta.num_delivered))
-        except Retry as retry:
-            if last_try:
-                bus.metrics.rejected.labels(family, "exhausted").inc()
-                await self._give_up(msg, delivery, f"retry limit reached: {retry.reason}")
-            else:
-                bus.metrics.retried.labels(family).inc()
-                await self._settle(msg, "nak", delay_s=retry.delay_s)
-        except Exception as exc:
-            log.exception(
-                "handler for %s seq %d (delivery %d) failed",
-                msg.subject,
-                meta.sequence.stream,
-                meta.num_delivered,
-            )
-            bus.metrics.rejected.labels(family, "handler_error").inc()
-            if last_try:
-                bus.metrics.rejected.labels(family, "exhausted").inc()
-                await self._give_up(msg, delivery, f"{type(exc).__name__}: {exc}")
-            else:
-                bus.metrics.retried.labels(family).inc()
-                await self._settle(msg, "nak", delay_s=self._backoff_s(meta.num_delivered))
+        await self._give_up(msg, delivery, str(exc))
+
+    async def _on_refused(self, msg: Msg, family: str, delivery: Delivery, refusal: Reject) -> None:
+        # Never redelivered: the same message would be refused again.
+        stored = await self._bus._refuse(
+            msg,
+            family,
+            refusal,
+            stream=delivery.stream,
+            stream_seq=delivery.stream_seq,
+            num_delivered=delivery.num_delivered,
+        )
+        if stored:
+            await self._settle(msg, "term")
         else:
-            await self._settle(msg, "ack")
-        finally:
-            bus.metrics.handler_seconds.labels(family).observe(time.perf_counter() - started)
+            await self._settle(msg, "nak", delay_s=self._backoff_s(delivery.num_delivered))
+
+    async def _on_failed(self, msg: Msg, family: str, delivery: Delivery, exc: Exception) -> None:
+        metrics = self._bus.metrics
+        if isinstance(exc, Retry):
+            if self._last_try(delivery):
+                metrics.rejected.labels(family, "exhausted").inc()
+                await self._give_up(msg, delivery, f"retry limit reached: {exc.reason}")
+            else:
+                metrics.retried.labels(family).inc()
+                await self._settle(msg, "nak", delay_s=exc.delay_s)
+            return
+        log.exception(
+            "handler for %s seq %d (delivery %d) failed",
+            msg.subject,
+            delivery.stream_seq,
+            delivery.num_delivered,
+        )
+        metrics.rejected.labels(family, "handler_error").inc()
+        if self._last_try(delivery):
+            metrics.rejected.labels(family, "exhausted").inc()
+            await self._give_up(msg, delivery, f"{type(exc).__name__}: {exc}")
+        else:
+            metrics.retried.labels(family).inc()
+            await self._settle(msg, "nak", delay_s=self._backoff_s(delivery.num_delivered))
+
+    async def _on_handled(self, msg: Msg, delivery: Delivery, result: None) -> None:
+        await self._settle(msg, "ack")
 
     async def _give_up(self, msg: Msg, delivery: Delivery, error: str) -> None:
         """Dead-letter and terminate; if dead-lettering fails keep the message (nak)."""
@@ -1365,7 +1399,7 @@ class Consumer(_Handle, Generic[M]):
             task.cancel()
 
 
-class Replay(_Handle, Generic[M]):
+class Replay(_Receiver[M, None]):
     """An ordered replay started by `Bus.replay`."""
 
     stop_order = 1
@@ -1425,74 +1459,53 @@ class Replay(_Handle, Generic[M]):
     async def on_msg(self, msg: Msg) -> None:
         if self.finished.is_set():
             return
-        bus = self._bus
-        family = bus.subjects.family(msg.subject)
-        bus.metrics.received.labels(family).inc()
-        meta = msg.metadata
-        self.last_stream_seq = meta.sequence.stream
-        try:
-            message = bus._decode_inbound(msg.data, self._message_type, family)
-        except WireError as exc:
-            if self._on_undecodable is not None:
-                log.debug(
-                    "replay %s seq %d: invalid message: %s", self.stream, meta.sequence.stream, exc
-                )
-                self._on_undecodable(
-                    Undecodable(
-                        subject=msg.subject,
-                        stream=meta.stream,
-                        stream_seq=meta.sequence.stream,
-                        timestamp_s=meta.timestamp.timestamp(),
-                        payload_size_bytes=len(msg.data),
-                        error=_one_line(str(exc), MAX_TEXT_LEN),
-                    )
-                )
-            else:
-                log.warning(
-                    "replay %s seq %d: invalid message: %s", self.stream, meta.sequence.stream, exc
-                )
-                await bus._dead_letter(
-                    msg,
-                    error=str(exc),
-                    stream=meta.stream,
-                    stream_seq=meta.sequence.stream,
-                    num_delivered=meta.num_delivered,
-                )
-        else:
-            started = time.perf_counter()
-            try:
-                check_identity(message, msg.subject, self._identity)
-                await self._handler(
-                    message,
-                    Delivery(
-                        subject=msg.subject,
-                        stream=meta.stream,
-                        stream_seq=meta.sequence.stream,
-                        num_delivered=meta.num_delivered,
-                        timestamp_s=meta.timestamp.timestamp(),
-                        headers=msg.headers or {},
-                    ),
-                )
-            except Reject as refusal:
-                await bus._refuse(
-                    msg,
-                    family,
-                    refusal,
-                    stream=meta.stream,
-                    stream_seq=meta.sequence.stream,
-                    num_delivered=meta.num_delivered,
-                    dead_letter=self._on_undecodable is None,
-                )
-            except Exception:
-                log.exception(
-                    "replay handler for %s seq %d failed", msg.subject, meta.sequence.stream
-                )
-                bus.metrics.rejected.labels(family, "handler_error").inc()
-            finally:
-                bus.metrics.handler_seconds.labels(family).observe(time.perf_counter() - started)
+        delivery = _delivery(msg)
+        self.last_stream_seq = delivery.stream_seq or 0
+        family = self._bus.subjects.family(msg.subject)
+        await self._receive(msg, family, delivery, self._handler)
         self.handled += 1
-        if meta.num_pending == 0:
+        if msg.metadata.num_pending == 0:
             self._mark_caught_up()
+
+    async def _on_invalid(self, msg: Msg, family: str, delivery: Delivery, exc: WireError) -> None:
+        if self._on_undecodable is None:
+            log.warning(
+                "replay %s seq %d: invalid message: %s", self.stream, delivery.stream_seq, exc
+            )
+            await self._bus._dead_letter(
+                msg,
+                error=str(exc),
+                stream=delivery.stream,
+                stream_seq=delivery.stream_seq,
+                num_delivered=delivery.num_delivered,
+            )
+            return
+        log.debug("replay %s seq %d: invalid message: %s", self.stream, delivery.stream_seq, exc)
+        self._on_undecodable(
+            Undecodable(
+                subject=msg.subject,
+                stream=delivery.stream or self.stream,
+                stream_seq=delivery.stream_seq or 0,
+                timestamp_s=delivery.timestamp_s,
+                payload_size_bytes=len(msg.data),
+                error=_one_line(str(exc), MAX_TEXT_LEN),
+            )
+        )
+
+    async def _on_refused(self, msg: Msg, family: str, delivery: Delivery, refusal: Reject) -> None:
+        await self._bus._refuse(
+            msg,
+            family,
+            refusal,
+            stream=delivery.stream,
+            stream_seq=delivery.stream_seq,
+            num_delivered=delivery.num_delivered,
+            dead_letter=self._on_undecodable is None,
+        )
+
+    async def _on_failed(self, msg: Msg, family: str, delivery: Delivery, exc: Exception) -> None:
+        log.exception("replay handler for %s seq %d failed", msg.subject, delivery.stream_seq)
+        self._bus.metrics.rejected.labels(family, "handler_error").inc()
 
     async def stop(self) -> None:
         """Stop delivering (the server deletes the ephemeral consumer)."""
