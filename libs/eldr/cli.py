@@ -26,21 +26,18 @@ LONG_RUNNING_COMMANDS = frozenset({"serve", "dev"})
 # Modules exposing `register(subparsers)`. Imported lazily by name so that a command's
 # heavy imports (matplotlib, nats, sqlalchemy) are paid only when it runs.
 COMMAND_MODULES: tuple[str, ...] = (
-    "eldr.bench.routing_bench",
-    "eldr.bench.kmeans_bench",
-    "eldr.bench.pipeline_bench",
-    "eldr.bench.moe_step_bench",
+    "eldr.bench.cli",
     "eldr.store.cli",
     "eldr.serve",
     "eldr.dev.cli",
-    "eldr.trainer_cli",
+    "eldr.training.cli",
     "eldr.dev.demo",
     "eldr.dev.compare",
     "eldr.dev.fit_synthetic",
     "eldr.dev.soak",
-    "eldr.partitions_cli",
-    "eldr.deploy_cli",
-    "eldr.replay_cli",
+    "eldr.partitions.cli",
+    "eldr.deploy.cli",
+    "eldr.replay.cli",
 )
 
 

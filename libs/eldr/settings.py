@@ -21,7 +21,6 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from eldr.core.blocks import hash_key_from_secret
 from eldr.core.limits import (
     DEFAULT_MAX_CELLS,
     DEFAULT_MAX_EXPERTS,
@@ -29,6 +28,7 @@ from eldr.core.limits import (
     GeometryLimits,
     parse_model_geometries,
 )
+from eldr.core.signature.blocks import hash_key_from_secret
 from eldr.wire.base import MAX_EXPERTS, MAX_MOE_LAYERS, MAX_SPARSE_CELLS
 
 NAMESPACE_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,31}$"
@@ -205,7 +205,7 @@ class RetentionSettings(BaseSettings):
 
 
 class BlockHashSettings(BaseSettings):
-    """The deployment secret block hashes are keyed with (`eldr.core.blocks`): every
+    """The deployment secret block hashes are keyed with (`eldr.core.signature.blocks`): every
     producer of block hashes (capture plugin, gateway with the routed_experts source,
     simulated prefill) of a deployment must have the same one."""
 

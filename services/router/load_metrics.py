@@ -1,6 +1,6 @@
 """Per-worker load as this router replica sees it, read from its load table at scrape time.
 
-The load table (`eldr.core.loadtable`) holds every live decode worker's last report plus the
+The load table (`eldr.core.routing.loadtable`) holds every live decode worker's last report plus the
 assignments made since by any replica, so every replica exports about the same numbers;
 dashboards take the max over replicas. Only live workers are exported (a stale or draining
 worker's series disappears), so the `worker` label is bounded by the fleet size.
@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterable
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from eldr.core.activity import ActivityTable
-from eldr.core.loadtable import LoadTable
+from eldr.core.routing.activity import ActivityTable
+from eldr.core.routing.loadtable import LoadTable
 
 
 class LoadTableCollector:

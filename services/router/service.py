@@ -4,7 +4,7 @@ Inputs: PrefillDone events (JetStream, durable consumer shared by all replicas, 
 once), load reports (core), every replica's decisions (to keep the fleet-wide load table),
 the gateways' finish events and decode profiles (a request leaves the load and activity
 tables), partition announcements. For each PrefillDone: fetch the signature (request/reply to the
-signature service, bounded wait), decide (`eldr.core.router`), commit the decision with
+signature service, bounded wait), decide (`eldr.core.routing.decide`), commit the decision with
 "expected last subject sequence 0" on the request's decision subject (the first decision
 for a request id wins; a redelivery reads the committed one instead of deciding again),
 answer the requester, ack.
@@ -33,10 +33,10 @@ from eldr.bus import (
     is_reply_inbox,
 )
 from eldr.bus.topology import DECISIONS, IDENTITY, PARTITIONS, PREFILL
-from eldr.core.loadtable import LoadTable, Report
-from eldr.core.policies import PolicySpec
-from eldr.core.router import FALLBACK_REASONS, NoLiveWorkersError, RouterCore, RouteRequest
-from eldr.partitions import partition_from_blob
+from eldr.core.routing.decide import FALLBACK_REASONS, NoLiveWorkersError, RouterCore, RouteRequest
+from eldr.core.routing.loadtable import LoadTable, Report
+from eldr.core.routing.policies import PolicySpec
+from eldr.partitions.codec import partition_from_blob
 from eldr.runtime import ServiceContext, service_main
 from eldr.wire import (
     AssembleReply,

@@ -6,9 +6,9 @@ from typing import Literal, Self
 
 from pydantic import Field, model_validator
 
-from eldr.core.activity import DEFAULT_MAX_ENTRIES, DEFAULT_TTL_S
-from eldr.core.loadtable import DEFAULT_MAX_WORKERS
-from eldr.core.policies import DEFAULT_POLICY, PAPER_POLICY, POLICY_NAMES
+from eldr.core.routing.activity import DEFAULT_MAX_ENTRIES, DEFAULT_TTL_S
+from eldr.core.routing.loadtable import DEFAULT_MAX_WORKERS
+from eldr.core.routing.policies import DEFAULT_POLICY, PAPER_POLICY, POLICY_NAMES
 from eldr.settings import CommonSettings, GeometrySettings
 from eldr.wire.base import MAX_SCORES, MAX_WORKERS
 from eldr.wire.messages import decision_bytes_bound

@@ -26,7 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from eldr.bus import SIGNATURE_QUEUE, Delivery, Reject, Replay, stream_name
 from eldr.bus.topology import BLOCKS, IDENTITY
 from eldr.runtime import ServiceContext, service_main
-from eldr.signature_state import (
+from eldr.signature.state import (
     Outcome,
     RejectReason,
     SeqEvent,

@@ -1,6 +1,6 @@
 """`eldr serve simprefill`: a simulated prefill worker + gateway replaying traces forever.
 
-A thin shell over `eldr.dev.replayer.TraceReplayer`: load or generate the traces, replay
+A thin shell over `eldr.sim.traffic.TraceReplayer`: load or generate the traces, replay
 them in rounds at the configured rate, log each round's summary and count its outcomes.
 On stop (an `on_stopping` callback, run while still connected): stop starting requests, let
 those in flight get their decision and job, then disconnect.
@@ -15,11 +15,11 @@ import logging
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from eldr.core.synthetic import SyntheticSpec, generate
-from eldr.core.trace import TraceSet
+from eldr.core.workload.synthetic import SyntheticSpec, generate
+from eldr.core.workload.trace import TraceSet
 from eldr.data.traces import load_trace_dir
-from eldr.dev.replayer import ReplayConfig, ReplaySummary, TraceReplayer
 from eldr.runtime import ServiceContext, service_main
+from eldr.sim.traffic import ReplayConfig, ReplaySummary, TraceReplayer
 
 from .settings import SimPrefillSettings
 

@@ -6,12 +6,12 @@ from pathlib import Path
 
 from pydantic import Field
 
-from eldr.core.blocks import DEFAULT_BLOCK_SIZE
+from eldr.core.signature.blocks import DEFAULT_BLOCK_SIZE
 from eldr.settings import BlockHashSettings, CommonSettings
 
 
 class SimPrefillSettings(CommonSettings, BlockHashSettings):
-    """A trace replayer (`eldr.dev.replayer`) run continuously as a service."""
+    """A trace replayer (`eldr.sim.traffic`) run continuously as a service."""
 
     simprefill_worker_id: str = Field(
         default="prefill-0",

@@ -1,6 +1,6 @@
 """Trainer service: refits the partition from recent traffic and publishes new versions.
 
-A shell around `eldr.trainer.Trainer` (the window, the triggers, the fit, the shadow gate,
+A shell around `eldr.training.trainer.Trainer` (the window, the triggers, the fit, the shadow gate,
 storing and announcing; see that module for how a refit goes): this module builds it from
 the settings, feeds it, answers `RefitRequest`s, runs the refit schedule and exports what
 it reports as metrics.
@@ -8,7 +8,7 @@ it reports as metrics.
 Inputs: every routing decision (`{ns}.decisions.*`, with the request's prefill counts),
 decode profiles (`{ns}.profiles.*`), the gateways' finish events (`{ns}.finished.*`) and
 decode workers' load reports (`{ns}.load.*`). At start the training window
-(`eldr.core.trainwindow`) is rebuilt by replaying the last `window_max_age_s` of DECISIONS,
+(`eldr.core.training.trainwindow`) is rebuilt by replaying the last `window_max_age_s` of DECISIONS,
 PROFILES and FINISHED (and the last `worker_ttl_s` of LOAD); the same replays then deliver
 live messages.
 
@@ -32,10 +32,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from eldr.bus import Delivery, Reject, build_topology
 from eldr.bus.topology import DECISIONS, FINISHED, IDENTITY, LOAD, PARTITIONS, PROFILES
-from eldr.core.online import DriftBaseline, ShadowResult
-from eldr.core.partition import FitReport
+from eldr.core.partition.partition import FitReport
+from eldr.core.routing.online import DriftBaseline, ShadowResult
 from eldr.runtime import ServiceContext, service_main
-from eldr.trainer import (
+from eldr.training.trainer import (
     ERROR_STAGES,
     OUTCOMES,
     TRIGGERS,
@@ -65,7 +65,7 @@ TICK_S = 1.0
 
 
 class TrainerMetrics:
-    """The trainer's metrics; what `Trainer` reports (`eldr.trainer.TrainerObserver`)."""
+    """The trainer's metrics; what `Trainer` reports (`eldr.training.trainer.TrainerObserver`)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
@@ -169,7 +169,7 @@ class TrainerMetrics:
         for profile in ("with", "without"):
             self.window_samples.labels(profile)
 
-    # --- eldr.trainer.TrainerObserver --------------------------------------------------------
+    # --- eldr.training.trainer.TrainerObserver ----------------------------------------------------
 
     def took_input(self, kind: str, outcome: str) -> None:
         self.inputs.labels(kind, outcome).inc()

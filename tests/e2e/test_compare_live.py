@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from eldr.core.synthetic import SyntheticSpec
+from eldr.core.workload.synthetic import SyntheticSpec
 from eldr.dev.compare import POLICIES, format_compare, run_compare
 from eldr.dev.demo import DemoConfig
 

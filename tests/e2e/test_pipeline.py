@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from eldr.core.synthetic import SyntheticSpec
+from eldr.core.workload.synthetic import SyntheticSpec
 from eldr.dev.demo import DemoConfig, run_demo
 
 # A workload with strong topic structure, so that 4 decode workers leave locality something

@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from eldr.core.synthetic import SyntheticSpec, SyntheticWorld, generate, make_world
-from eldr.core.trace import TraceSet
+from eldr.core.workload.synthetic import SyntheticSpec, SyntheticWorld, generate, make_world
+from eldr.core.workload.trace import TraceSet
 from eldr.dev.natsserver import free_port
 from eldr.dev.stack import SERVICES, ServiceSpec, Stack, StackConfig, serve_command
 

@@ -34,8 +34,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from eldr.bus import Bus, BusError, Delivery, Subscription, stream_name
 from eldr.bus.topology import DECISIONS, DLQ
-from eldr.core.blocks import summarize_blocks, trace_token_ids
-from eldr.core.trace import TraceSet
+from eldr.core.signature.blocks import summarize_blocks, trace_token_ids
+from eldr.core.workload.trace import TraceSet
 from eldr.wire import (
     BlockSummaryBatch,
     BlockSummaryMsg,

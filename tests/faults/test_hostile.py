@@ -38,11 +38,11 @@ import pytest
 
 from eldr.bus import Bus, Delivery, Undecodable, apply_topology, build_topology, stream_name
 from eldr.bus.topology import DECISIONS, DLQ, PREFILL
-from eldr.core.partition import Partition
-from eldr.core.signature import Calibration
+from eldr.core.partition.partition import Partition
+from eldr.core.signature.signature import Calibration
 from eldr.dev.natsserver import EmbeddedNats, free_port
 from eldr.dev.stack import serve_command
-from eldr.partitions import partition_to_blob
+from eldr.partitions.codec import partition_to_blob
 from eldr.settings import BusSettings, RetentionSettings
 from eldr.wire import (
     AssembleReply,

@@ -23,8 +23,8 @@ from prometheus_client import CollectorRegistry
 from eldr.bus import REFUSAL_REASONS, Bus
 from eldr.bus.client import Consumer, Replay, Service, Subscription
 from eldr.bus.topology import IDENTITY
-from eldr.core.blocks import summarize_blocks, trace_token_ids
-from eldr.core.synthetic import SyntheticSpec, generate
+from eldr.core.signature.blocks import summarize_blocks, trace_token_ids
+from eldr.core.workload.synthetic import SyntheticSpec, generate
 from eldr.data.profiles import DEFAULT_PROFILE_FOR_TRACES, load_catalog
 from eldr.runtime import ServiceContext
 from eldr.wire import (
@@ -292,7 +292,7 @@ def _router(bus: Bus, registry: CollectorRegistry) -> RouterService:
 
 
 def _report(wid: str) -> Any:
-    from eldr.core.loadtable import Report
+    from eldr.core.routing.loadtable import Report
 
     return Report(
         worker_id=wid,

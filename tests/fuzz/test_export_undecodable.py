@@ -19,7 +19,7 @@ import pytest
 from eldr.bus import Bus, apply_topology, delete_topology, stream_name
 from eldr.bus.topology import DECISIONS, Topology
 from eldr.dev.stack import eldr_command
-from eldr.eventlog import read_event_file
+from eldr.replay.eventlog import read_event_file
 from eldr.settings import BusSettings
 from eldr.wire import Decision, WireError, decode, encode
 from support.messages import decision

@@ -42,7 +42,7 @@ import pytest
 
 from eldr.bus.permissions import inbox_prefix
 from eldr.cli import COMMAND_MODULES
-from eldr.dev.kustomize import render
+from eldr.deploy.kustomize import render
 from eldr.dev.metricrefs import (
     NATS_EXPORTER_METRICS,
     PROMETHEUS_SERIES,
@@ -358,7 +358,7 @@ def test_refit_then_roll_back_with_the_operator_user(stack: Stack) -> None:
         stack.wait_for("router", "eldr_router_partition_loads_total", expected)
     assert stack.metric("router", "eldr_router_partition_version") == 2
 
-    assert "eldr.partitions_cli" in COMMAND_MODULES, "register eldr.partitions_cli in eldr.cli"
+    assert "eldr.partitions.cli" in COMMAND_MODULES, "register eldr.partitions.cli in eldr.cli"
     rollback = stack.cli("partitions", "activate", "1", "--note", "rollback test")
     assert rollback.returncode == 0, rollback.stdout + rollback.stderr
     assert "retired version 2" in rollback.stdout

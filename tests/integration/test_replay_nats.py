@@ -22,14 +22,14 @@ import pytest
 
 from eldr.bus import Bus, Delivery, apply_topology, build_topology, delete_topology, stream_name
 from eldr.bus.topology import DECISIONS, PROFILES
-from eldr.core.partition import Partition
-from eldr.core.signature import Calibration
+from eldr.core.partition.partition import Partition
+from eldr.core.signature.signature import Calibration
 from eldr.dev.natsserver import EmbeddedNats
-from eldr.event_source import read_events
-from eldr.eventlog import EventLog, Selection, read_event_file, record_offsets
-from eldr.partitions import partition_to_blob
-from eldr.replay import ReplayConfig, replay
-from eldr.replay_cli import register
+from eldr.partitions.codec import partition_to_blob
+from eldr.replay.cli import register
+from eldr.replay.engine import ReplayConfig, replay
+from eldr.replay.eventlog import EventLog, Selection, read_event_file, record_offsets
+from eldr.replay.source import read_events
 from eldr.runtime import run_service
 from eldr.settings import BusSettings, RetentionSettings
 from eldr.wire import (
@@ -403,7 +403,7 @@ def test_export_then_import_into_another_namespace_round_trips(
 def test_a_damaged_export_fails_naming_the_first_bad_record(
     recording: Recording, tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str
 ) -> None:
-    from eldr.eventlog import write_event_file
+    from eldr.replay.eventlog import write_event_file
 
     path = tmp_path / "window.eldr"
     write_event_file(recording.log, path)

@@ -17,12 +17,12 @@ import pytest
 
 from eldr.bus import ROUTER_CONSUMER, Bus, Delivery, Topology, apply_topology, stream_name
 from eldr.bus.topology import BLOCKS, PREFILL
-from eldr.core.blocks import hash_chain, trace_token_ids
-from eldr.core.synthetic import SyntheticSpec, generate
-from eldr.core.trace import TraceSet, expert_counts
-from eldr.dev.replayer import ReplayConfig, TraceReplayer
+from eldr.core.signature.blocks import hash_chain, trace_token_ids
+from eldr.core.workload.synthetic import SyntheticSpec, generate
+from eldr.core.workload.trace import TraceSet, expert_counts
 from eldr.runtime import run_service
 from eldr.settings import BusSettings, RetentionSettings
+from eldr.sim.traffic import ReplayConfig, TraceReplayer
 from eldr.wire import (
     BlockSummaryBatch,
     DecodeJob,

@@ -13,9 +13,9 @@ import pytest
 
 from eldr.bus import Bus, Delivery, Topology, apply_topology
 from eldr.bus.topology import DECISIONS, PARTITIONS
-from eldr.core.partition import Partition
-from eldr.core.signature import Calibration
-from eldr.partitions import blob_sha256, partition_to_blob
+from eldr.core.partition.partition import Partition
+from eldr.core.signature.signature import Calibration
+from eldr.partitions.codec import blob_sha256, partition_to_blob
 from eldr.settings import BusSettings, RetentionSettings
 from eldr.wire import (
     Decision,

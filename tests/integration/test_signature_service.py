@@ -15,9 +15,9 @@ import pytest
 
 from eldr.bus import Bus, Delivery, Topology, apply_topology, stream_name
 from eldr.bus.topology import BLOCKS, DLQ
-from eldr.core.blocks import BlockSummary, hash_chain, summarize_blocks
-from eldr.core.synthetic import SyntheticSpec, SyntheticWorld, generate, make_world
-from eldr.core.trace import RequestTrace, expert_counts
+from eldr.core.signature.blocks import BlockSummary, hash_chain, summarize_blocks
+from eldr.core.workload.synthetic import SyntheticSpec, SyntheticWorld, generate, make_world
+from eldr.core.workload.trace import RequestTrace, expert_counts
 from eldr.runtime import run_service
 from eldr.settings import BusSettings, RetentionSettings
 from eldr.wire import (

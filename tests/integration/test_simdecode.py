@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from eldr.bus import Bus, Delivery
-from eldr.core.trace import expert_counts
+from eldr.core.workload.trace import expert_counts
 from eldr.runtime import run_service
 from eldr.settings import BusSettings, RetentionSettings
 from eldr.wire import (

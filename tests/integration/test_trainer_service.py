@@ -20,17 +20,18 @@ import numpy as np
 import pytest
 from sqlalchemy.pool import NullPool
 
-from eldr import partition_writer, trainer_cli
 from eldr.bus import Bus, Topology, apply_topology
 from eldr.bus.topology import PARTITIONS, build_topology
-from eldr.core.partition import Partition
-from eldr.core.signature import Calibration
-from eldr.core.synthetic import SyntheticSpec, generate
-from eldr.core.trace import expert_counts
-from eldr.partition_writer import write_active_version
+from eldr.core.partition.partition import Partition
+from eldr.core.signature.signature import Calibration
+from eldr.core.workload.synthetic import SyntheticSpec, generate
+from eldr.core.workload.trace import expert_counts
+from eldr.partitions import writer as partition_writer
+from eldr.partitions.writer import write_active_version
 from eldr.settings import BusSettings, RetentionSettings
 from eldr.store import migrate, repo
 from eldr.store.models import PartitionStatus
+from eldr.training import cli as trainer_cli
 from eldr.wire import (
     DecodeProfile,
     LoadReport,

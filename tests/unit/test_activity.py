@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from eldr.core.activity import ActivityTable, estimate_top_k, expert_demand
+from eldr.core.routing.activity import ActivityTable, estimate_top_k, expert_demand
 
 L, E = 3, 8
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from eldr.core.assignment import linear_sum_assignment
+from eldr.core.partition.assignment import linear_sum_assignment
 
 
 def brute_force_min(cost: np.ndarray) -> float:

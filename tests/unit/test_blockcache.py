@@ -7,8 +7,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eldr.core.blockcache import ENTRY_OVERHEAD_BYTES, BlockCache, SparseBlock, stored_nbytes
-from eldr.core.blocks import to_sparse
+from eldr.core.signature.blockcache import (
+    ENTRY_OVERHEAD_BYTES,
+    BlockCache,
+    SparseBlock,
+    stored_nbytes,
+)
+from eldr.core.signature.blocks import to_sparse
 
 DIM = 12
 

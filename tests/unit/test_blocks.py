@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eldr.core.blocks import (
+from eldr.core.signature.blocks import (
     BLOCK_HASH_PERSON,
     DEFAULT_BLOCK_SIZE,
     BlockSummary,
@@ -28,7 +28,7 @@ from eldr.core.blocks import (
     to_sparse,
     trace_token_ids,
 )
-from eldr.core.trace import RequestTrace, expert_counts
+from eldr.core.workload.trace import RequestTrace, expert_counts
 
 # block_hash(None, 0..15) and the next block 16..31 chained to it. These constants pin the
 # cache key format: changing them invalidates every stored block summary.
@@ -76,7 +76,7 @@ def test_block_hash_matches_documented_encoding() -> None:
 def test_block_hash_same_in_fresh_process_with_other_hash_seed() -> None:
     code = (
         "import numpy as np\n"
-        "from eldr.core.blocks import block_hash\n"
+        "from eldr.core.signature.blocks import block_hash\n"
         "h = block_hash(None, np.arange(16))\n"
         "print(h, block_hash(h, list(range(16, 32))))\n"
     )

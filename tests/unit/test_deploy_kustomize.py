@@ -1,4 +1,4 @@
-"""The offline kustomize renderer (eldr.dev.kustomize): the subset deploy/k8s uses, and
+"""The offline kustomize renderer (eldr.deploy.kustomize): the subset deploy/k8s uses, and
 refusal of everything else."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from eldr.dev.kustomize import KustomizeError, render, strategic_merge
+from eldr.deploy.kustomize import KustomizeError, render, strategic_merge
 
 DEPLOYMENT = {
     "apiVersion": "apps/v1",

@@ -18,9 +18,9 @@ import pytest
 import yaml
 
 from eldr.cli import build_parser
-from eldr.dev.kustomize import containers, load_documents, render
+from eldr.deploy.kustomize import containers, load_documents, render
 from eldr.dev.metricrefs import adapter_rules
-from eldr.serve import SERVICES
+from eldr.serve import service_names
 from eldr.settings import CommonSettings
 from eldr.store.settings import StoreSettings
 from eldr_services.router.settings import RouterSettings
@@ -108,7 +108,7 @@ def test_each_service_is_a_deployment_running_eldr_serve(overlay: tuple[str, lis
     for service in expected:
         (c,) = deployments[f"eldr-{service}"]["spec"]["template"]["spec"]["containers"]
         assert c["args"] == ["serve", service]
-        assert service in SERVICES
+        assert service in service_names()
 
 
 @pytest.fixture(scope="module")

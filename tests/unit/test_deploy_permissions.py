@@ -13,7 +13,6 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from eldr import deploy_cli
 from eldr.bus.owners import BUCKET_OWNER, STREAM_OWNERS, owned_streams, unowned_streams
 from eldr.bus.permissions import (
     NatsUser,
@@ -30,6 +29,7 @@ from eldr.bus.permissions import (
     subject_matches,
 )
 from eldr.bus.topology import Subjects, build_topology
+from eldr.deploy import cli as deploy_cli
 from eldr.dev.natsserver import find_nats_server
 from eldr.settings import RetentionSettings
 

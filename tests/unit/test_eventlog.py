@@ -13,9 +13,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from eldr.core.partition import Partition
-from eldr.core.signature import Calibration
-from eldr.eventlog import (
+from eldr.core.partition.partition import Partition
+from eldr.core.signature.signature import Calibration
+from eldr.partitions.codec import partition_to_blob
+from eldr.replay.eventlog import (
     MAGIC,
     Event,
     EventFileError,
@@ -27,7 +28,6 @@ from eldr.eventlog import (
     record_offsets,
     write_event_file,
 )
-from eldr.partitions import partition_to_blob
 from eldr.wire import (
     Decision,
     DecodeProfile,

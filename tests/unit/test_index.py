@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eldr.core.index import CentroidIndex
+from eldr.core.partition.index import CentroidIndex
 
 
 def unit(a: np.ndarray) -> np.ndarray:

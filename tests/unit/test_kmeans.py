@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eldr.core.assignment import linear_sum_assignment
-from eldr.core.kmeans import (
+from eldr.core.partition.assignment import linear_sum_assignment
+from eldr.core.partition.kmeans import (
     align_centroids,
     balanced_spherical_kmeans,
     capacitated_assignment,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from eldr.core.loadtable import LoadTable, Report
+from eldr.core.routing.loadtable import LoadTable, Report
 
 
 def report(

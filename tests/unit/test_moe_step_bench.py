@@ -18,10 +18,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from eldr.bench import cli as bench_cli
 from eldr.bench import moe_step_bench as msb
 from eldr.bench import routing_bench
 from eldr.bench.routing_bench import BenchConfig, run_bench
-from eldr.core.synthetic import SyntheticSpec, generate
+from eldr.core.workload.synthetic import SyntheticSpec, generate
 from eldr.data.profiles import ProfileError, load_catalog
 
 H200 = {
@@ -32,7 +33,7 @@ H200 = {
     "triton": "9.9",
     "cuda": "99.9",
     "date": "2027-01-01T00:00:00Z",
-    "command": "python -m eldr.bench.moe_step_bench measure --out x.json",
+    "command": "python -m eldr.bench.cli bench-moe-step measure --out x.json",
 }
 
 
@@ -368,5 +369,5 @@ def test_measure_without_torch_says_what_it_needs(capsys: pytest.CaptureFixture[
 
     if importlib.util.find_spec("torch") is not None:
         pytest.skip("torch is installed here; tests/vllm/test_moe_step_cpu.py runs measure")
-    assert msb.main(["measure", "--tiny"]) == 2
+    assert bench_cli.main(["bench-moe-step", "measure", "--tiny"]) == 2
     assert "needs torch" in capsys.readouterr().err

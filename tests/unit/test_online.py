@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from eldr.core.online import (
+from eldr.core.partition.partition import Partition, fit_partition
+from eldr.core.routing.online import (
     DriftBaseline,
     DriftMonitor,
     DriftThresholds,
@@ -21,9 +22,8 @@ from eldr.core.online import (
     refit_trigger,
     shadow_evaluate,
 )
-from eldr.core.partition import Partition, fit_partition
-from eldr.core.signature import Calibration
-from eldr.core.trace import ModelGeometry
+from eldr.core.signature.signature import Calibration
+from eldr.core.workload.trace import ModelGeometry
 
 L, E = 2, 8
 GEOMETRY = ModelGeometry(num_layers=L, moe_layers=(0, 1), num_experts=E, top_k=1)

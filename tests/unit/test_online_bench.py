@@ -10,7 +10,7 @@ import pytest
 
 from eldr.bench.online_bench import OnlineConfig, run_churn, run_drift
 from eldr.cli import main
-from eldr.core.synthetic import SyntheticSpec, generate
+from eldr.core.workload.synthetic import SyntheticSpec, generate
 
 SPEC = SyntheticSpec(
     num_topics=3,

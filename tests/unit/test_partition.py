@@ -10,17 +10,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eldr.core.partition import (
+from eldr.core.partition.partition import (
     FitReport,
     Partition,
     assign_clusters_to_workers,
     fit_partition,
     previous_choices,
 )
-from eldr.core.signature import Calibration
-from eldr.core.synthetic import SyntheticSpec, generate, make_world
-from eldr.core.trace import ModelGeometry, counts_matrix
-from eldr.partitions import (
+from eldr.core.signature.signature import Calibration
+from eldr.core.workload.synthetic import SyntheticSpec, generate, make_world
+from eldr.core.workload.trace import ModelGeometry, counts_matrix
+from eldr.partitions.codec import (
     blob_sha256,
     partition_from_blob,
     partition_from_record,

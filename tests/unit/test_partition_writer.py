@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
-from eldr import partition_writer
-from eldr.core.partition import Partition
-from eldr.core.signature import Calibration
-from eldr.partition_writer import (
+from eldr.core.partition.partition import Partition
+from eldr.core.signature.signature import Calibration
+from eldr.partitions import writer as partition_writer
+from eldr.partitions.codec import partition_from_blob
+from eldr.partitions.writer import (
     VersionRaceError,
     load_active,
     write_active_version,
 )
-from eldr.partitions import partition_from_blob
 from eldr.store import migrate, repo
 from eldr.store.models import PartitionStatus
 from eldr.wire import PartitionBlob, decode

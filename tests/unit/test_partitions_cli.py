@@ -12,11 +12,11 @@ import pytest
 from sqlalchemy import update
 from sqlalchemy.orm import Session, sessionmaker
 
-from eldr.core.partition import Partition
-from eldr.core.signature import Calibration
-from eldr.partition_writer import write_active_version
-from eldr.partitions import blob_sha256
-from eldr.partitions_cli import ActivationError, activate_version
+from eldr.core.partition.partition import Partition
+from eldr.core.signature.signature import Calibration
+from eldr.partitions.cli import ActivationError, activate_version
+from eldr.partitions.codec import blob_sha256
+from eldr.partitions.writer import write_active_version
 from eldr.store import migrate, repo
 from eldr.store.models import PartitionStatus, PartitionVersion
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from eldr.core.policies import (
+from eldr.core.routing.policies import (
     FleetView,
     JoinShortestQueue,
     LocalityBand,

@@ -8,8 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from eldr.core.activity import ActivityTable, expert_demand
-from eldr.core.policies import (
+from eldr.core.routing.activity import ActivityTable, expert_demand
+from eldr.core.routing.policies import (
     DEFAULT_POLICY,
     PAPER_POLICY,
     BoundedBand,

@@ -11,16 +11,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from eldr.core.loadtable import LoadTable, Report
-from eldr.core.partition import Partition
-from eldr.core.policies import PolicySpec
-from eldr.core.router import DecisionRng, RouterCore, RouteRequest
-from eldr.core.signature import Calibration
+from eldr.core.partition.partition import Partition
+from eldr.core.routing.decide import DecisionRng, RouterCore, RouteRequest
+from eldr.core.routing.loadtable import LoadTable, Report
+from eldr.core.routing.policies import PolicySpec
+from eldr.core.signature.signature import Calibration
 from eldr.data.profiles import load_catalog
-from eldr.eventlog import Event, EventLog
-from eldr.explain import explain
-from eldr.partitions import partition_to_blob
-from eldr.replay import (
+from eldr.partitions.codec import partition_to_blob
+from eldr.replay.engine import (
     ReplayConfig,
     Replayer,
     model_decode_effect,
@@ -28,9 +26,11 @@ from eldr.replay import (
     reproduce_decision,
     request_end,
 )
-from eldr.replay import (
+from eldr.replay.engine import (
     _batch_union as batch_union,
 )
+from eldr.replay.eventlog import Event, EventLog
+from eldr.replay.explain import explain
 from eldr.wire import (
     Decision,
     DecodeProfile,

@@ -10,9 +10,9 @@ import msgspec
 import pytest
 from test_replay import T0, counts, log_of, record, router
 
-from eldr.core.router import RouteRequest
-from eldr.eventlog import write_event_file
-from eldr.replay_cli import EXIT_ERROR, EXIT_NOT_REPRODUCED, EXIT_OK, parse_time, register
+from eldr.core.routing.decide import RouteRequest
+from eldr.replay.cli import EXIT_ERROR, EXIT_NOT_REPRODUCED, EXIT_OK, parse_time, register
+from eldr.replay.eventlog import write_event_file
 
 NOW = 1_750_000_000.0
 
@@ -131,7 +131,7 @@ def test_replay_with_another_partition_file(
 ) -> None:
     from test_replay import partition
 
-    from eldr.partitions import partition_to_blob
+    from eldr.partitions.codec import partition_to_blob
     from eldr.wire import encode
 
     swapped = partition(("d1", "d0", "d3", "d2"), version=2)  # every cluster moves

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eldr.core.loadtable import LoadTable, Report
-from eldr.core.partition import Partition
-from eldr.core.policies import PolicySpec
-from eldr.core.router import NoLiveWorkersError, RouterCore, RouteRequest
-from eldr.core.signature import Calibration
+from eldr.core.partition.partition import Partition
+from eldr.core.routing.decide import NoLiveWorkersError, RouterCore, RouteRequest
+from eldr.core.routing.loadtable import LoadTable, Report
+from eldr.core.routing.policies import PolicySpec
+from eldr.core.signature.signature import Calibration
 
 L, E = 2, 4
 

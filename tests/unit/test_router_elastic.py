@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import eldr.core.router as router_module
-from eldr.core.loadtable import LoadTable, Report
-from eldr.core.partition import Partition
-from eldr.core.policies import PolicySpec
-from eldr.core.router import RouterCore, RouteRequest
-from eldr.core.signature import Calibration
+import eldr.core.routing.decide as router_module
+from eldr.core.partition.partition import Partition
+from eldr.core.routing.decide import RouterCore, RouteRequest
+from eldr.core.routing.loadtable import LoadTable, Report
+from eldr.core.routing.policies import PolicySpec
+from eldr.core.signature.signature import Calibration
 
 L, E = 2, 4
 

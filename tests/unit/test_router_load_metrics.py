@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 
-from eldr.core.loadtable import LoadTable, Report
+from eldr.core.routing.loadtable import LoadTable, Report
 from eldr_services.router.load_metrics import LoadTableCollector
 
 

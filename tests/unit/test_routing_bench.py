@@ -8,9 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from eldr.bench.routing_bench import BenchConfig, run_bench, stratified_split, summarize_rate
+from eldr.bench.routing_bench import BenchConfig, run_bench, summarize_rate
 from eldr.cli import main
-from eldr.core.synthetic import SyntheticSpec, generate
+from eldr.core.workload.sizing import stratified_split
+from eldr.core.workload.synthetic import SyntheticSpec, generate
 
 REAL_TRACES = (Path(__file__).resolve().parents[2] / "../shared/data/pbc-llama4-mmlu").resolve()
 

@@ -11,14 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from eldr.core.signature import (
+from eldr.core.signature.signature import (
     Calibration,
     compute_idf,
     fit_calibration,
     greedy_layer_mask,
     sample_pairs,
 )
-from eldr.core.trace import ModelGeometry
+from eldr.core.workload.trace import ModelGeometry
 
 L, E = 3, 4
 

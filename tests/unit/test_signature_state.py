@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eldr.core.blocks import summarize_blocks
 from eldr.core.limits import GeometryLimits
-from eldr.core.synthetic import SyntheticSpec, generate
-from eldr.core.trace import expert_counts
-from eldr.signature_state import (
+from eldr.core.signature.blocks import summarize_blocks
+from eldr.core.workload.synthetic import SyntheticSpec, generate
+from eldr.core.workload.trace import expert_counts
+from eldr.signature.state import (
     BlockWaiters,
     Outcome,
     PublisherSeqs,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from eldr.core.costmodel import CostProfile, GpuProfile, ModelProfile
-from eldr.core.policies import JoinShortestQueue, LocalityBand, RoundRobin
+from eldr.core.routing.policies import JoinShortestQueue, LocalityBand, RoundRobin
 from eldr.sim.cluster import SimConfig, SimRequest, flatten_decode_ids, simulate
 
 E = 8

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eldr.core.activity import expert_demand
 from eldr.core.costmodel import CostProfile, GpuProfile, ModelProfile
-from eldr.core.policies import JoinShortestQueue, LocalityBand, MarginalUnion, RoundRobin
+from eldr.core.routing.activity import expert_demand
+from eldr.core.routing.policies import JoinShortestQueue, LocalityBand, MarginalUnion, RoundRobin
 from eldr.sim.cluster import (
     FleetEvent,
     ScoreUpdate,

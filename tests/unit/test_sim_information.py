@@ -8,9 +8,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from eldr.core.activity import expert_demand
 from eldr.core.costmodel import CostProfile, GpuProfile, ModelProfile
-from eldr.core.policies import (
+from eldr.core.routing.activity import expert_demand
+from eldr.core.routing.policies import (
     JoinShortestQueue,
     LocalityBand,
     MarginalUnion,

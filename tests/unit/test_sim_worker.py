@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eldr.core.costmodel import CostProfile, GpuProfile, ModelProfile
-from eldr.core.trace import expert_counts
+from eldr.core.workload.trace import expert_counts
 from eldr.sim.worker import BatchingWorker, StepPlan, UnionCounter, flatten_decode_ids
 
 E = 8

@@ -10,14 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eldr.core.stats import pearson
-from eldr.core.synthetic import (
+from eldr.core.workload.synthetic import (
     SyntheticSpec,
     fit_zipf_exponent,
     generate,
     make_world,
     zipf_weights,
 )
-from eldr.core.trace import TraceSet, counts_matrix
+from eldr.core.workload.trace import TraceSet, counts_matrix
 
 SMALL = SyntheticSpec(
     num_topics=3,

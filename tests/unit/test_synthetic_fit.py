@@ -1,12 +1,12 @@
-"""Fitting the synthetic workload to trace statistics (`eldr.core.synthetic_fit`)."""
+"""Fitting the synthetic workload to trace statistics (`eldr.core.workload.synthetic_fit`)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from eldr.core.synthetic import SyntheticSpec, generate
-from eldr.core.synthetic_fit import (
+from eldr.core.workload.synthetic import SyntheticSpec, generate
+from eldr.core.workload.synthetic_fit import (
     FITTED_SPEC,
     fit_synthetic_spec,
     uniform_range,

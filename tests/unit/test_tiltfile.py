@@ -15,7 +15,7 @@ import pytest
 import yaml
 from starlark_go import Starlark
 
-from eldr.dev.kustomize import render_yaml
+from eldr.deploy.kustomize import render_yaml
 from eldr.dev.stack import SERVICES
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""The trainer's refit orchestration (`eldr.trainer`) with an SQLite file, a fake bus, a
+"""The trainer's refit orchestration (`eldr.training.trainer`) with an SQLite file, a fake bus, a
 fake clock and a recording observer: no sockets."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from eldr.bus import BusError, ObjectRef, PublishAck
-from eldr.core.synthetic import SyntheticSpec, generate
-from eldr.core.trace import expert_counts
+from eldr.core.workload.synthetic import SyntheticSpec, generate
+from eldr.core.workload.trace import expert_counts
 from eldr.store import migrate
-from eldr.trainer import (
+from eldr.training.trainer import (
     PartitionAnnouncer,
     Trainer,
     TrainerConfig,

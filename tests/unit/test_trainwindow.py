@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eldr.core.trainwindow import LiveWorkers, SparseRow, TrainingWindow, pick_workers
+from eldr.core.training.trainwindow import LiveWorkers, SparseRow, TrainingWindow, pick_workers
 
 SHAPE = (2, 4)
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eldr.core.blocks import sum_summaries, summarize_blocks
+from eldr.core.signature.blocks import sum_summaries, summarize_blocks
 from eldr.vllm.capture import CaptureConfig, CaptureState, Geometry, StepResult
 from eldr.vllm.plugin import client_request_id
 from eldr.wire import PrefillDone
@@ -211,7 +211,7 @@ def test_client_request_id_is_recovered_from_vllm_ids(engine_id: str, client_id:
 
 
 def test_block_hashes_are_keyed_with_the_deployment_key_and_the_deadline_travels() -> None:
-    from eldr.core.blocks import hash_chain, hash_key_from_secret
+    from eldr.core.signature.blocks import hash_chain, hash_key_from_secret
 
     key = hash_key_from_secret(b"deployment")
     s = CaptureState(CaptureConfig("prefill-0", "m", 4, GEOMETRY, hash_key=key))

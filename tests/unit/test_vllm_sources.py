@@ -13,7 +13,7 @@ import io
 import numpy as np
 import pytest
 
-from eldr.core.blocks import summarize_blocks
+from eldr.core.signature.blocks import summarize_blocks
 from eldr.vllm.capture import CaptureConfig, Geometry
 from eldr.vllm.moe_layers import moe_layer_ids, parse_layer_ids
 from eldr.vllm.sources import (

@@ -814,8 +814,8 @@ def test_a_decision_naming_more_workers_than_readers_accept_cannot_be_built() ->
 
 
 def test_the_decision_size_bound_holds_for_the_largest_decision() -> None:
-    from eldr.core.policies import POLICY_NAMES, PolicySpec, make_policy
-    from eldr.core.router import FALLBACK_REASONS
+    from eldr.core.routing.decide import FALLBACK_REASONS
+    from eldr.core.routing.policies import POLICY_NAMES, PolicySpec, make_policy
     from eldr.wire.messages import decision_bytes_bound
 
     workers, cells = 1024, 16_384

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from vllm_support import BLOCK_SIZE, MODEL_NAME, SKIP_REASON, Engines, post, prefill_events
 
-from eldr.core.blocks import hash_chain
-from eldr.core.trace import expert_counts
+from eldr.core.signature.blocks import hash_chain
+from eldr.core.workload.trace import expert_counts
 
 pytest.importorskip("vllm.version", reason=SKIP_REASON)
 

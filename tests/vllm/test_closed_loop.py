@@ -51,7 +51,7 @@ from vllm_support import (
 
 from eldr.bus import Bus, Delivery
 from eldr.bus.topology import DECISIONS
-from eldr.core.trace import expert_counts
+from eldr.core.workload.trace import expert_counts
 from eldr.settings import BusSettings
 from eldr.wire import Decision, DecodeProfile, RefitReply, RefitRequest, RequestFinished
 from eldr_services.decodeadapter.service import setup as adapter_setup

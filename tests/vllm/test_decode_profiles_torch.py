@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from vllm_support import SKIP_REASON
 
-from eldr.core.trace import expert_counts
+from eldr.core.workload.trace import expert_counts
 from eldr.vllm.capture import Geometry
 from eldr.vllm.layout import StepLayout
 

@@ -26,6 +26,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is installed in .venv-vllm only")
 
+from eldr.bench import cli as bench_cli  # noqa: E402
 from eldr.bench import moe_step_bench, moe_step_torch  # noqa: E402
 from eldr.bench.moe_step_bench import SHAPES, distinct_expert_counts, tiny_shape  # noqa: E402
 from eldr.bench.moe_step_torch import BLOCK_M, MoeLayer  # noqa: E402
@@ -145,7 +146,7 @@ def run_measure(tmp_path: Path, kernels: str) -> dict[str, Any]:
     out = tmp_path / "moe_step.json"
     args = ["measure", "--tiny", "--profiles", ",".join(PROFILES), "--kernels", kernels]
     args += ["--batches", "1,2,4", "--points", "3", "--reps", "3", "--warmup", "1"]
-    assert moe_step_bench.main([*args, "--out", str(out)]) == 0
+    assert bench_cli.main(["bench-moe-step", *args, "--out", str(out)]) == 0
     table = moe_step_bench.read_table(out)
     prov = table["provenance"]
     assert prov["device_type"] == "cpu"
@@ -182,14 +183,14 @@ def test_measure_writes_a_complete_table_that_fit_reads(
     assert table["checks"] == []  # nothing to check without the Triton kernel
     report = tmp_path / "fit.json"
     out = str(tmp_path / "moe_step.json")
-    assert moe_step_bench.main(["fit", out, "--json", str(report)]) == 0
+    assert bench_cli.main(["bench-moe-step", "fit", out, "--json", str(report)]) == 0
     printed = capsys.readouterr().out
     assert "NOT A GPU MEASUREMENT" in printed
     fits = json.loads(report.read_text())["fits"]
     assert [(f["profile"], f["kernel"]) for f in fits] == [(p, "loop") for p in sorted(PROFILES)]
     # A CPU table never becomes a cost profile.
     with pytest.raises(ValueError, match="not measured on a GPU"):
-        moe_step_bench.main(["fit", out, "--write-profiles", str(tmp_path / "m.toml")])
+        bench_cli.main(["bench-moe-step", "fit", out, "--write-profiles", str(tmp_path / "m.toml")])
     assert not (tmp_path / "m.toml").exists()
 
 

@@ -30,7 +30,7 @@ from vllm_support import (
 
 from eldr.bus import Bus
 from eldr.bus.topology import DECISIONS
-from eldr.core.trace import expert_counts
+from eldr.core.workload.trace import expert_counts
 from eldr.settings import BusSettings
 from eldr.wire import Decision, LoadReport
 from eldr_services.router.service import setup as router_setup

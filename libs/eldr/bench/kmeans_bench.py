@@ -9,20 +9,17 @@ non-negative, sparse-ish and L2-normalised, like count x IDF signatures.
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import math
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from eldr.core.kmeans import KMeansResult, balanced_spherical_kmeans, spherical_kmeans
-from eldr.progress import NO_PROGRESS, Progress, terminal_progress
+from eldr.core.partition.kmeans import KMeansResult, balanced_spherical_kmeans, spherical_kmeans
+from eldr.progress import NO_PROGRESS, Progress
 
-__all__ = ["register", "run", "run_benchmark", "synthetic_signatures"]
+__all__ = ["print_report", "run_benchmark", "synthetic_signatures"]
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +165,7 @@ def run_benchmark(
     return report
 
 
-def _print_report(report: dict[str, Any]) -> None:
+def print_report(report: dict[str, Any]) -> None:
     print(f"input: {report['input']}")
     print(
         f"N={report['n']} d={report['dim']} K={report['k']} seed={report['seed']} "
@@ -191,53 +188,3 @@ def _print_report(report: dict[str, Any]) -> None:
             f"inertia {report['unconstrained_inertia']:.2f}"
         )
         print(f"inertia ratio balanced/unconstrained: {report['inertia_ratio']:.3f}")
-
-
-def run(args: argparse.Namespace) -> int:
-    path = Path(args.json) if args.json is not None else None
-    if path is not None:  # fail now, not after the fit
-        path.parent.mkdir(parents=True, exist_ok=True)
-    steps = 1 + args.max_iter * (2 if args.unconstrained else 1)
-    with terminal_progress(steps, "eldr bench-kmeans", unit="step") as progress:
-        report = run_benchmark(
-            args.n,
-            args.dim,
-            args.k,
-            seed=args.seed,
-            reduce_dim=args.reduce_dim or None,
-            unconstrained=args.unconstrained,
-            max_iter=args.max_iter,
-            progress=progress,
-        )
-    _print_report(report)
-    if path is not None:
-        path.write_text(json.dumps(report, indent=2) + "\n")
-        log.info("wrote %s", path)
-    return 0
-
-
-def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "bench-kmeans",
-        help="time the balanced K-means partition fit on synthetic signatures",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--n", type=int, default=100_000, help="signatures (default 100000)")
-    parser.add_argument("--dim", type=int, default=6144, help="signature length (default 6144)")
-    parser.add_argument("--k", type=int, default=64, help="clusters = decode workers (default 64)")
-    parser.add_argument("--seed", type=int, default=0, help="data and fit seed (default 0)")
-    parser.add_argument(
-        "--reduce-dim",
-        type=int,
-        default=128,
-        help="PCA dimension for the iterations, 0 = none (default 128)",
-    )
-    parser.add_argument("--max-iter", type=int, default=50, help="K-means iterations (default 50)")
-    parser.add_argument(
-        "--unconstrained",
-        action="store_true",
-        help="also fit unconstrained spherical K-means and report the inertia ratio",
-    )
-    parser.add_argument("--json", metavar="FILE", default=None, help="write the report as JSON")
-    parser.set_defaults(func=run)

@@ -24,17 +24,16 @@ expert really costs in a grouped-GEMM MoE kernel, the way serving engines run de
 
 This module is the pure part (shapes, sweep, routing construction, table I/O, fit, profile
 emission) and imports only the standard library at import time, so that `python -m
-eldr.bench.moe_step_bench measure` runs with nothing but torch on the GPU machine; the
-torch side is `moe_step_torch.py`, the Triton kernel `moe_step_triton.py`.
+eldr.bench.cli bench-moe-step measure` runs with nothing but torch on the GPU machine; the
+torch side is `moe_step_torch.py`, the Triton kernel `moe_step_triton.py`, the command line
+`eldr.bench.cli`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
-import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -50,10 +49,8 @@ __all__ = [
     "controlled_routing",
     "distinct_expert_counts",
     "fit_table",
-    "main",
     "measured_profile_tables",
     "read_table",
-    "register",
     "render_profiles_toml",
     "summarize_samples",
     "write_measured_profiles",
@@ -683,198 +680,5 @@ def write_measured_profiles(path: Path, profiles: dict[str, dict[str, Any]]) -> 
 # --- command line ---------------------------------------------------------------------------
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="moe_step_command", metavar="STEP", required=True)
-    m = sub.add_parser(
-        "measure",
-        help="time MoE layer decode steps with torch (GPU; --tiny for a CPU smoke run)",
-        description="Time one MoE layer forward per (profile, batch, distinct experts).",
-    )
-    m.add_argument(
-        "--profiles",
-        default=",".join(s.profile for s in SHAPES),
-        help="comma-separated profiles to measure (default: all with a MoE shape)",
-    )
-    m.add_argument(
-        "--batches",
-        type=_int_list,
-        default=DEFAULT_BATCHES,
-        help="comma-separated batch sizes in tokens (default 1,2,4,8,16,32,64)",
-    )
-    m.add_argument(
-        "--points", type=int, default=6, help="distinct-expert counts per batch (default 6)"
-    )
-    m.add_argument("--reps", type=int, default=100, help="timed repetitions (default 100)")
-    m.add_argument("--warmup", type=int, default=10, help="untimed repetitions (default 10)")
-    m.add_argument(
-        "--kernels",
-        default="",
-        help="comma-separated: triton (grouped GEMM), loop (one matmul per expert); "
-        "default triton on a GPU, loop on the CPU",
-    )
-    m.add_argument("--device", default="", help="torch device (default cuda when available)")
-    m.add_argument(
-        "--flush-mib",
-        type=int,
-        default=-1,
-        help="L2 flush buffer written before each repetition, MiB (default 256 on a GPU, 0 on CPU)",
-    )
-    m.add_argument("--no-graph", action="store_true", help="do not replay through CUDA graphs")
-    m.add_argument("--no-check", action="store_true", help="skip the check against the loop")
-    m.add_argument(
-        "--tiny",
-        action="store_true",
-        help="tiny shapes (hidden 64, 16 experts) and batches 1,2,4: a CPU smoke run",
-    )
-    m.add_argument("--seed", type=int, default=0, help="routing and weight seed (default 0)")
-    m.add_argument(
-        "--out", default="out/moe_step.json", help="raw table, JSON (default out/moe_step.json)"
-    )
-    m.set_defaults(func=run_measure)
-
-    f = sub.add_parser(
-        "fit",
-        help="fit a + b x distinct experts (+ c x tokens); optionally write measured profiles",
-        description="Fit a measured table and compare with the bandwidth model.",
-    )
-    f.add_argument("table", help="a table written by `measure`")
-    f.add_argument("--kernel", default="", help="kernel rows to fit (default triton if present)")
-    f.add_argument("--json", metavar="FILE", default=None, help="write the fit report as JSON")
-    f.add_argument(
-        "--write-profiles",
-        nargs="?",
-        const="",
-        default=None,
-        metavar="FILE",
-        help="write <profile>-measured and <profile>-measured-kernels profiles "
-        "(default file: the packaged measured_profiles.toml)",
-    )
-    f.add_argument(
-        "--table-ref",
-        default="",
-        help="path of the table recorded in the profiles' provenance (default: TABLE as given)",
-    )
-    f.add_argument(
-        "--allow-gpu-mismatch",
-        action="store_true",
-        help="write profiles even if the device is not the profile's GPU (tests only)",
-    )
-    f.set_defaults(func=run_fit)
-
-
-def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "bench-moe-step",
-        help="measure an MoE layer's decode step on a GPU (torch) and fit the cost model",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-
-
-def run_measure(args: argparse.Namespace) -> int:
-    import importlib.util
-
-    if importlib.util.find_spec("torch") is None:
-        print(
-            "bench-moe-step measure needs torch (not a dependency of this project): run it "
-            "where torch is installed, e.g. .venv-vllm or the GPU machine's Python",
-            file=sys.stderr,
-        )
-        return 2
-    from eldr.bench import moe_step_torch
-
-    names = [x for x in args.profiles.split(",") if x]
-    shapes = [shape_for(n) for n in names]
-    batches: tuple[int, ...] = tuple(args.batches)
-    if args.tiny:
-        shapes = [tiny_shape(s) for s in shapes]
-        batches = tuple(b for b in batches if b <= 4) or (1, 2, 4)
-    config = moe_step_torch.MeasureConfig(
-        shapes=tuple(shapes),
-        batches=batches,
-        points=args.points,
-        reps=args.reps,
-        warmup=args.warmup,
-        kernels=tuple(x for x in args.kernels.split(",") if x),
-        device=args.device,
-        flush_mib=args.flush_mib,
-        graph=not args.no_graph,
-        check=not args.no_check,
-        seed=args.seed,
-        command=invocation(),
-    )
-    out = Path(args.out)
-
-    def checkpoint(partial: dict[str, Any]) -> None:
-        write_table(out, partial)
-        print(f"{partial['shapes'][-1]['profile']}: done ({len(partial['rows'])} rows)", flush=True)
-
-    table = moe_step_torch.measure(config, checkpoint)
-    write_table(out, table)
-    prov = table["provenance"]
-    print(
-        f"{len(table['rows'])} rows on {prov['gpu']} ({prov['device_type']}) in "
-        f"{prov['wall_s']:.1f} s -> {out}"
-    )
-    for check in table["checks"]:
-        print(f"check {check['profile']}: {check['status']} (max rel err {check['max_rel_err']})")
-    return 0 if all(c["status"] != "failed" for c in table["checks"]) else 1
-
-
-def invocation() -> str:
-    """The command line this process runs, as a person would type it."""
-    import shlex
-
-    if not sys.argv:
-        return ""
-    head = Path(sys.argv[0]).name
-    prefix = {"moe_step_bench.py": "python -m eldr.bench.moe_step_bench"}.get(head, head)
-    return " ".join([prefix, shlex.join(sys.argv[1:])])
-
-
 def tiny_shape(shape: MoeShape) -> MoeShape:
     return shape.scaled(hidden=64, expert_ffn=64, num_experts=16)
-
-
-def run_fit(args: argparse.Namespace) -> int:
-    table = read_table(Path(args.table))
-    reports = fit_table(table, args.kernel or None)
-    print(format_fits(reports, table["provenance"]))
-    if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {"provenance": table["provenance"], "fits": [r.as_dict() for r in reports]},
-                indent=1,
-            )
-            + "\n",
-            encoding="utf-8",
-        )
-    if args.write_profiles is not None:
-        path = Path(args.write_profiles) if args.write_profiles else packaged_measured_path()
-        profiles = measured_profile_tables(
-            reports,
-            table["provenance"],
-            table_ref=args.table_ref or args.table,
-            fit_command=invocation(),
-            allow_gpu_mismatch=args.allow_gpu_mismatch,
-        )
-        written = write_measured_profiles(path, profiles)
-        print(f"wrote {', '.join(written)} -> {path}")
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m eldr.bench.moe_step_bench measure|fit ...` without the `eldr` CLI's imports."""
-    parser = argparse.ArgumentParser(prog="python -m eldr.bench.moe_step_bench")
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    return int(args.func(args))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,8 +2,8 @@
 
 Both scenarios replay recorded expert traces through the decode-cluster simulator
 (`eldr.sim.cluster`) with the trainer's own pieces: partitions come from
-`eldr.core.partition.fit_partition` (calibration and balanced K-means, aligned to the
-previous version), refits are triggered and gated by `eldr.core.online` (drift monitor,
+`eldr.core.partition.partition.fit_partition` (calibration and balanced K-means, aligned to the
+previous version), refits are triggered and gated by `eldr.core.routing.online` (drift monitor,
 churn detection, shadow evaluation on held-out recent requests). `OnlineRefitter` plays
 the trainer inside simulated time: it sees each routed request and each finished one
 (its decode profile), keeps a rolling window, and swaps the routers' partition when a
@@ -26,7 +26,6 @@ Simulated times are seconds of the simulated cluster; "refit interval" is simula
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -34,7 +33,6 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -42,12 +40,11 @@ import numpy as np
 from eldr.bench.routing_bench import (
     BASELINES,
     Prepared,
-    _load_input,
     prepare,
-    rates_for_batch_targets,
 )
 from eldr.core.costmodel import CostProfile
-from eldr.core.online import (
+from eldr.core.partition.partition import Partition, fit_partition
+from eldr.core.routing.online import (
     DriftBaseline,
     DriftMonitor,
     DriftThresholds,
@@ -58,9 +55,9 @@ from eldr.core.online import (
     refit_trigger,
     shadow_evaluate,
 )
-from eldr.core.partition import Partition, fit_partition
-from eldr.core.policies import DEFAULT_POLICY, PAPER_POLICY, PolicySpec, make_policy
-from eldr.core.trace import TraceSet, counts_matrix
+from eldr.core.routing.policies import DEFAULT_POLICY, PAPER_POLICY, PolicySpec, make_policy
+from eldr.core.workload.sizing import rates_for_batch_targets
+from eldr.core.workload.trace import TraceSet, counts_matrix
 from eldr.data.profiles import DEFAULT_PROFILE_FOR_TRACES, load_catalog
 from eldr.sim.cluster import (
     FleetEvent,
@@ -748,24 +745,3 @@ def format_report(result: dict[str, Any]) -> str:
     lines.append("summary: " + json.dumps(result["summary"]))
     lines.append(f"wall time {result['wall_s']} s")
     return "\n".join(lines)
-
-
-def main_from_args(args: argparse.Namespace) -> int:
-    """`eldr bench --scenario drift|churn` (the steady bench's arguments apply)."""
-    traces = _load_input(args)
-    config = OnlineConfig(
-        decoders=args.decoders,
-        tau=args.tau,
-        arrivals=args.arrivals or 6000,
-        max_batch=args.max_batch,
-        calibration_fraction=args.calibration_fraction,
-        profile=args.profile,
-        seed=args.seed,
-        batch_target=(args.batch_targets[-1] if args.batch_targets else 32.0),
-    )
-    result = run_drift(traces, config) if args.scenario == "drift" else run_churn(traces, config)
-    print(format_report(result))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
-    return 0

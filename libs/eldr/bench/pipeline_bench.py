@@ -23,10 +23,8 @@ docs/RELIABILITY.md is `eldr bench-pipeline --rates 1000 --duration 60`.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import gc
-import json
 import logging
 import os
 import threading
@@ -41,15 +39,15 @@ import numpy as np
 
 from eldr.bus import Bus, Delivery, stream_name
 from eldr.bus.topology import DECISIONS
-from eldr.core.partition import fit_partition
-from eldr.core.policies import DEFAULT_POLICY, POLICY_NAMES
-from eldr.core.synthetic import SyntheticSpec, generate
-from eldr.core.trace import TraceSet, counts_matrix
-from eldr.dev.replayer import ReplayConfig, TraceReplayer
+from eldr.core.partition.partition import fit_partition
+from eldr.core.routing.policies import DEFAULT_POLICY
+from eldr.core.workload.synthetic import SyntheticSpec, generate
+from eldr.core.workload.trace import TraceSet, counts_matrix
 from eldr.dev.stack import SERVICES, Stack, StackConfig
-from eldr.partitions import blob_sha256, partition_to_blob
-from eldr.progress import NO_PROGRESS, Progress, terminal_progress
+from eldr.partitions.codec import blob_sha256, partition_to_blob
+from eldr.progress import NO_PROGRESS, Progress
 from eldr.runtime import run_async
+from eldr.sim.traffic import ReplayConfig, TraceReplayer
 from eldr.wire import Decision, PartitionAnnouncement, RouterControl, RouterControlReply
 
 log = logging.getLogger(__name__)
@@ -398,56 +396,3 @@ def format_table(result: dict[str, Any]) -> str:
                     f"{m['last_mib']:>9.1f}"
                 )
     return "\n".join(lines)
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    return tuple(float(x) for x in text.split(",") if x.strip())
-
-
-def register(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "bench-pipeline",
-        help="prefill-done -> decision latency through NATS at fixed rates",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--rates", type=_floats, default=(500.0, 1000.0, 2000.0))
-    p.add_argument("--duration", type=float, default=10.0, help="seconds per rate")
-    p.add_argument("--routers", type=int, default=1)
-    p.add_argument("--signatures", type=int, default=1)
-    p.add_argument("--decoders", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--policy",
-        choices=[n for n in POLICY_NAMES if n != "oracle"],
-        default=DEFAULT_POLICY,
-        help=f"routing policy (default: the router's default, {DEFAULT_POLICY})",
-    )
-    p.add_argument(
-        "--rss-every", type=float, default=1.0, help="RSS sampling period, seconds (0 = off)"
-    )
-    p.add_argument("--json", type=Path)
-    p.set_defaults(func=_main)
-
-
-def _main(args: argparse.Namespace) -> int:
-    if args.json:  # fail now, not after the run
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-    config = PipelineConfig(
-        rates=args.rates,
-        duration_s=args.duration,
-        routers=args.routers,
-        signatures=args.signatures,
-        decoders=args.decoders,
-        seed=args.seed,
-        rss_every_s=args.rss_every,
-        policy=args.policy,
-    )
-    total_s = len(config.rates) * config.duration_s
-    with terminal_progress(total_s, "eldr bench-pipeline", unit="s") as progress:
-        progress.describe("starting the stack")
-        result = run(config, progress)
-    print(format_table(result))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
-    return 0

@@ -44,13 +44,11 @@ profile is exercised at comparable batch sizes; `--rates` sets them explicitly.
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,10 +56,10 @@ import numpy as np
 
 from eldr.bench.arrivals import ArrivalDraw, copy_overlap, draw_apart
 from eldr.bench.offline_bound import LockstepModel
-from eldr.core.activity import ExpertDemand, expert_demand
-from eldr.core.costmodel import CostProfile, expected_uniform_union
-from eldr.core.kmeans import balanced_spherical_kmeans
-from eldr.core.policies import (
+from eldr.core.costmodel import CostProfile
+from eldr.core.partition.kmeans import balanced_spherical_kmeans
+from eldr.core.routing.activity import ExpertDemand, expert_demand
+from eldr.core.routing.policies import (
     DEFAULT_POLICY,
     LOAD_ONLY_POLICIES,
     PAPER_POLICY,
@@ -72,10 +70,11 @@ from eldr.core.policies import (
     PolicySpec,
     make_policy,
 )
-from eldr.core.signature import Calibration, fit_calibration
-from eldr.core.trace import TraceSet, counts_matrix
+from eldr.core.signature.signature import Calibration, fit_calibration
+from eldr.core.workload.sizing import expected_step_s, rates_for_batch_targets, stratified_split
+from eldr.core.workload.trace import TraceSet, counts_matrix
 from eldr.data.profiles import DEFAULT_PROFILE_FOR_TRACES, load_catalog
-from eldr.progress import NO_PROGRESS, Progress, terminal_progress
+from eldr.progress import NO_PROGRESS, Progress
 from eldr.sim.cluster import (
     SimConfig,
     SimRequest,
@@ -209,28 +208,6 @@ class Prepared:
         return self._demands[key]
 
 
-def stratified_split(
-    labels: Sequence[str], fraction: float, rng: np.random.Generator
-) -> tuple[np.ndarray, np.ndarray]:
-    """Indices of a calibration set taking `fraction` of each label, and the rest."""
-    if not 0 < fraction < 1:
-        raise ValueError(f"calibration fraction must be in (0, 1), got {fraction}")
-    by_label: dict[str, list[int]] = {}
-    for i, lab in enumerate(labels):
-        by_label.setdefault(lab, []).append(i)
-    cal: list[int] = []
-    for lab in sorted(by_label):
-        idx = np.array(by_label[lab])
-        rng.shuffle(idx)
-        take = max(1, round(fraction * idx.size)) if idx.size > 1 else 0
-        cal.extend(int(i) for i in idx[:take])
-    cal_arr = np.array(sorted(cal), dtype=np.int64)
-    ev_arr = np.setdiff1d(np.arange(len(labels)), cal_arr)
-    if cal_arr.size == 0 or ev_arr.size == 0:
-        raise ValueError("too few requests to split into calibration and evaluation sets")
-    return cal_arr, ev_arr
-
-
 def prepare(traces: TraceSet, config: BenchConfig) -> Prepared:
     """Split, calibrate signatures and fit the partitions (calibration split only)."""
     geometry = traces.geometry
@@ -297,43 +274,6 @@ def prepare(traces: TraceSet, config: BenchConfig) -> Prepared:
 
 def _finite_or_none(x: float) -> float | None:
     return round(float(x), 4) if math.isfinite(x) else None
-
-
-def _step_s_at_batch(cost: CostProfile, traces: TraceSet, batch: float) -> float:
-    """Step time of a batch of `batch` uniformly routed tokens (an over-estimate of real,
-    skewed unions) with the traces' mean KV length."""
-    geometry = traces.geometry
-    mean_decode = float(np.mean([t.decode_tokens for t in traces.traces]))
-    mean_prompt = float(np.mean([t.prompt_tokens for t in traces.traces]))
-    union = expected_uniform_union(geometry.num_experts, geometry.top_k, math.ceil(batch))
-    kv = batch * (mean_prompt + mean_decode / 2.0)
-    return cost.step_time_s(union * geometry.num_moe_layers, kv, batch)
-
-
-def rates_for_batch_targets(
-    cost: CostProfile, traces: TraceSet, decoders: int, targets: Sequence[float]
-) -> list[float]:
-    """Arrival rates at which each worker would hold about B requests (Little's law).
-
-    A request lasts mean_decode_tokens steps; a step with B requests costs what the cost
-    model says for the union of B uniformly routed tokens (an over-estimate of real,
-    skewed unions, so real batches come out slightly smaller). rate = B * W / duration.
-    """
-    mean_decode = float(np.mean([t.decode_tokens for t in traces.traces]))
-    return [
-        round(batch * decoders / (mean_decode * _step_s_at_batch(cost, traces, batch)), 1)
-        for batch in targets
-    ]
-
-
-def expected_step_s(cost: CostProfile, traces: TraceSet, decoders: int, rate: float) -> float:
-    """The step time at the batch Little's law gives for `rate` (rates_for_batch_targets'
-    estimate, inverted by fixed-point iteration)."""
-    mean_decode = float(np.mean([t.decode_tokens for t in traces.traces]))
-    batch = 1.0
-    for _ in range(50):
-        batch = max(1.0, rate * mean_decode * _step_s_at_batch(cost, traces, batch) / decoders)
-    return _step_s_at_batch(cost, traces, batch)
 
 
 def draw_arrivals(
@@ -1038,130 +978,6 @@ def plot(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def _load_input(args: argparse.Namespace) -> TraceSet:
-    if args.traces:
-        from eldr.data.traces import load_trace_dir
-
-        return load_trace_dir(args.traces, num_experts=args.num_experts)
-    from eldr.core.synthetic import generate
-    from eldr.core.synthetic_fit import FITTED_SPEC
-
-    # The demo's workload: fitted to the real traces' statistics.
-    return generate(FITTED_SPEC, args.synthetic_requests, np.random.default_rng(args.seed))
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    return tuple(float(x) for x in text.split(",") if x.strip())
-
-
-def register(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "bench",
-        help="trace-driven routing benchmark (policies x rates on a simulated PD cluster)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument(
-        "--traces", type=Path, help="trace directory (<label>/<n>.json); default: synthetic"
-    )
-    p.add_argument(
-        "--num-experts", type=int, default=None, help="experts per MoE layer (default: from data)"
-    )
-    p.add_argument(
-        "--synthetic-requests", type=int, default=400, help="requests to generate without --traces"
-    )
-    p.add_argument("--decoders", type=int, default=16, help="decode workers (default 16)")
-    p.add_argument(
-        "--tau", type=float, default=0.1, help="ELDR band width (default 0.1, the paper's)"
-    )
-    p.add_argument(
-        "--policies",
-        default=None,
-        help="comma-separated policies to run (default: the four baselines, "
-        f"{DEFAULT_POLICY} (default), {PAPER_POLICY} (the paper's rule), {DECODE_SIGNATURE} "
-        "(the band rule fed the true decode signature))",
-    )
-    p.add_argument(
-        "--variants",
-        action="store_true",
-        help="also run the tail-safe variants (eldr@kv_tokens, eldr_bounded, eldr_cost+partition)",
-    )
-    p.add_argument(
-        "--scenario",
-        choices=("steady", "drift", "churn"),
-        default="steady",
-        help="steady: policies x rates (default); drift: the workload mix changes mid-run, "
-        "static partition vs online refit; churn: decode workers join and leave mid-run",
-    )
-    p.add_argument("--load-measure", choices=("requests", "kv_tokens"), default="requests")
-    p.add_argument(
-        "--profile",
-        default=DEFAULT_PROFILE_FOR_TRACES,
-        help="cost profile (see cost_profiles.toml)",
-    )
-    p.add_argument("--whatif", default="", help="comma-separated extra cost profiles to report")
-    p.add_argument(
-        "--rates", type=_floats, default=None, help="comma-separated arrival rates (req/s)"
-    )
-    p.add_argument(
-        "--batch-targets",
-        type=_floats,
-        default=None,
-        help="derive rates for these per-worker batch sizes",
-    )
-    p.add_argument("--arrivals", type=int, default=None, help="arrivals per rate")
-    p.add_argument(
-        "--max-batch",
-        type=int,
-        default=256,
-        help="max running requests per worker (vLLM max_num_seqs)",
-    )
-    p.add_argument("--calibration-fraction", type=float, default=0.4)
-    p.add_argument(
-        "--quick", action="store_true", help="batch targets 8, 16, 32 and 3,000 arrivals each"
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--seeds",
-        type=lambda text: tuple(int(x) for x in text.split(",") if x.strip()),
-        default=None,
-        help="comma-separated seeds: run the whole benchmark once per seed (split, "
-        "partition, arrivals) and report the summaries side by side with the worst case",
-    )
-    p.add_argument(
-        "--with-replacement",
-        action="store_true",
-        help="draw arrivals with replacement (copies of a request may decode side by side; "
-        "the benchmark before issue 17), to compare",
-    )
-    p.add_argument(
-        "--no-offline-bound",
-        action="store_true",
-        help="skip the offline reference (the local search over balanced assignments)",
-    )
-    p.add_argument(
-        "--no-live-information",
-        action="store_true",
-        help="skip the runs with a live router's information (perfect information only)",
-    )
-    p.add_argument(
-        "--report-interval",
-        type=float,
-        default=LIVE_DEFAULTS.report_interval_s,
-        help="load-report period of the live-information runs, seconds (default "
-        f"{LIVE_DEFAULTS.report_interval_s:g}: simdecode's; the vLLM decode adapter's is 0.5)",
-    )
-    p.add_argument(
-        "--routers",
-        type=int,
-        default=LIVE_DEFAULTS.routers,
-        help=f"router replicas of the live-information runs (default {LIVE_DEFAULTS.routers})",
-    )
-    p.add_argument("--json", type=Path, help="write the result as JSON here")
-    p.add_argument("--plot", type=Path, help="write a PNG plot here (default: next to --json)")
-    p.set_defaults(func=_main)
-
-
 def robustness(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Worst case over seeds of the default's and the paper rule's summary numbers, at the
     summary's rate and per batch target (by position in `by_target`)."""
@@ -1203,78 +1019,3 @@ def _worst(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
         if shares:
             out[key]["share_of_offline_bound_worst"] = min(shares)
     return out
-
-
-def _main_seeds(
-    traces: TraceSet,
-    config: BenchConfig,
-    seeds: Sequence[int],
-    json_path: Path | None,
-    progress: Progress,
-) -> int:
-    runs = []
-    for seed in seeds:
-        result = run_bench(traces, replace(config, seed=seed), progress)
-        runs.append(result)
-        s = result["summary"]
-        print(f"seed {seed}:", flush=True)
-        print("\n".join(format_summary(s)), flush=True)
-    summary = robustness([r["summary"] for r in runs])
-    print("worst case over seeds: " + json.dumps(summary))
-    if json_path:
-        json_path.write_text(json.dumps({"robustness": summary, "runs": runs}, indent=2))
-    return 0
-
-
-def _main(args: argparse.Namespace) -> int:
-    if args.scenario != "steady":
-        from eldr.bench.online_bench import main_from_args
-
-        return main_from_args(args)
-    for out in (args.json, args.plot):
-        if out is not None:  # fail now, not after the run
-            out.parent.mkdir(parents=True, exist_ok=True)
-    traces = _load_input(args)
-    targets = args.batch_targets or (QUICK_BATCH_TARGETS if args.quick else FULL_BATCH_TARGETS)
-    config = BenchConfig(
-        decoders=args.decoders,
-        tau=args.tau,
-        load_measure=args.load_measure,
-        calibration_fraction=args.calibration_fraction,
-        arrivals_per_rate=args.arrivals or (3000 if args.quick else 8000),
-        max_batch=args.max_batch,
-        batch_targets=tuple(targets),
-        rates=args.rates,
-        profile=args.profile,
-        whatif_profiles=tuple(x for x in args.whatif.split(",") if x),
-        seed=args.seed,
-        policies=(
-            tuple(x.strip() for x in args.policies.split(",") if x.strip())
-            if args.policies
-            else BenchConfig.policies
-        ),
-        variants=args.variants,
-        arrivals_apart=not args.with_replacement,
-        offline_bound=not args.no_offline_bound,
-        information=(
-            None
-            if args.no_live_information
-            else replace(
-                LIVE_DEFAULTS, report_interval_s=args.report_interval, routers=args.routers
-            )
-        ),
-    )
-    num_rates = len(config.rates) if config.rates else len(config.batch_targets)
-    steps = bench_steps(config, num_rates) * (len(args.seeds) if args.seeds else 1)
-    with terminal_progress(steps, "eldr bench", unit="run") as progress:
-        if args.seeds:
-            return _main_seeds(traces, config, args.seeds, args.json, progress)
-        result = run_bench(traces, config, progress)
-    print(format_table(result))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
-    plot_path = args.plot or (args.json.with_suffix(".png") if args.json else None)
-    if plot_path:
-        plot(result, plot_path)
-        print(f"plot: {plot_path}")
-    return 0

@@ -6,7 +6,7 @@ resolves a role's grants and placeholders into plain subject lists, checks subje
 nats-server matches them (`allows`), and renders users for three consumers: a
 nats-server `authorization` block (`nats_conf`), Helm values for the official NATS chart
 (`helm_values`), both with passwords taken from environment variables that the server's
-pod reads from Kubernetes Secrets. `eldr deploy nats-auth` (`eldr.deploy_cli`) writes them.
+pod reads from Kubernetes Secrets. `eldr deploy nats-auth` (`eldr.deploy.cli`) writes them.
 
 Stream names and the bucket come from `eldr.bus.topology`, so a stream added there is
 covered by every `{stream}` subject here; which role may update which stream

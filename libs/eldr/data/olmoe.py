@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eldr.core.synthetic import fit_zipf_exponent
+from eldr.core.workload.synthetic import fit_zipf_exponent
 
 OLMOE_MODEL_ID = "allenai/OLMoE-1B-7B-0924"
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from eldr.core.trace import EXPERT_ID_DTYPE, ModelGeometry, RequestTrace, TraceSet
+from eldr.core.workload.trace import EXPERT_ID_DTYPE, ModelGeometry, RequestTrace, TraceSet
 from eldr.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -208,7 +208,7 @@ def load_trace_dir(
     Llama-4-Maverick data pass 128 to be safe; every expert does occur in the 255-request
     development subset). Order is deterministic: labels sorted, files by numeric stem.
     request_id is "<label>/<stem>". token_ids are None (the format has none; see
-    `eldr.core.blocks.trace_token_ids` for stand-ins).
+    `eldr.core.signature.blocks.trace_token_ids` for stand-ins).
 
     labels: load only these labels (ValueError if one is absent); limit_per_label: at most
     this many files per label (the numerically first). Raises TraceFormatError on malformed

@@ -44,10 +44,11 @@ from typing import Any
 import numpy as np
 
 from eldr.bus import Bus, BusError, Delivery, RemoteError, Subscription
-from eldr.core.activity import ExpertDemand
 from eldr.core.costmodel import CostProfile
-from eldr.core.partition import Partition
-from eldr.core.policies import (
+from eldr.core.partition.partition import Partition
+from eldr.core.routing.activity import ExpertDemand
+from eldr.core.routing.decide import RouteRequest, request_demand
+from eldr.core.routing.policies import (
     DEFAULT_POLICY,
     PAPER_POLICY,
     Choice,
@@ -56,8 +57,7 @@ from eldr.core.policies import (
     PolicySpec,
     make_policy,
 )
-from eldr.core.router import RouteRequest, request_demand
-from eldr.core.trace import TraceSet, expert_counts
+from eldr.core.workload.trace import TraceSet, expert_counts
 from eldr.data.profiles import load_catalog
 from eldr.dev.demo import (
     DemoConfig,
@@ -67,11 +67,10 @@ from eldr.dev.demo import (
     load_input,
     run_demo,
 )
-from eldr.dev.replayer import ReplaySummary, TraceReplayer
 from eldr.dev.stack import Stack
-from eldr.event_source import fetch_partition_version
-from eldr.partitions import partition_from_blob
+from eldr.partitions.codec import partition_from_blob
 from eldr.progress import terminal_progress
+from eldr.replay.source import fetch_partition_version
 from eldr.sim.cluster import (
     SimConfig,
     SimRequest,
@@ -82,6 +81,7 @@ from eldr.sim.cluster import (
 )
 from eldr.sim.information import InformationModel
 from eldr.sim.information import describe as describe_information
+from eldr.sim.traffic import ReplaySummary, TraceReplayer
 from eldr.wire import Decision, DecodeProfile, LoadReport, RequestFinished
 
 log = logging.getLogger(__name__)

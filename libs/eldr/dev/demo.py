@@ -29,18 +29,18 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from eldr.bench.routing_bench import rates_for_batch_targets, stratified_split
 from eldr.bus import Bus, BusError, RemoteError, stream_name
 from eldr.bus.topology import DECISIONS
-from eldr.core.synthetic import SyntheticSpec, generate
-from eldr.core.synthetic_fit import FITTED_SPEC
-from eldr.core.trace import TraceSet
+from eldr.core.workload.sizing import rates_for_batch_targets, stratified_split
+from eldr.core.workload.synthetic import SyntheticSpec, generate
+from eldr.core.workload.synthetic_fit import FITTED_SPEC
+from eldr.core.workload.trace import TraceSet
 from eldr.data.profiles import DEFAULT_PROFILE_FOR_TRACES, load_catalog
-from eldr.dev.replayer import ReplayConfig, ReplaySummary, TraceReplayer
 from eldr.dev.stack import Stack, StackConfig
 from eldr.progress import NO_PROGRESS, Progress, terminal_progress
 from eldr.runtime import run_async
 from eldr.settings import BusSettings
+from eldr.sim.traffic import ReplayConfig, ReplaySummary, TraceReplayer
 from eldr.wire import (
     RefitReply,
     RefitRequest,
@@ -61,7 +61,7 @@ class DemoConfig:
     synthetic_requests: int = 600
     synthetic_spec: SyntheticSpec | None = None
     """The synthetic workload; None = the one fitted to the real traces
-    (`eldr.core.synthetic_fit.FITTED_SPEC`)."""
+    (`eldr.core.workload.synthetic_fit.FITTED_SPEC`)."""
     decoders: int = 8
     calibration_requests: int = 600
     evaluation_requests: int = 1500
@@ -132,7 +132,7 @@ def load_input(config: DemoConfig) -> TraceSet:
         from eldr.data.traces import load_trace_dir
 
         return load_trace_dir(config.traces, num_experts=config.num_experts)
-    # Fitted to the real Llama-4-Maverick traces (`eldr.core.synthetic_fit.FITTED_SPEC`):
+    # Fitted to the real Llama-4-Maverick traces (`eldr.core.workload.synthetic_fit.FITTED_SPEC`):
     # their routing geometry (the model of the default cost profile), topics, skew,
     # correlation and lengths.
     spec = config.synthetic_spec or FITTED_SPEC

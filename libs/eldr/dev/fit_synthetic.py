@@ -1,9 +1,9 @@
 """`eldr fit-synthetic`: fit the demo's synthetic workload to real expert traces.
 
-Measures the traces (`eldr.core.synthetic_fit.workload_statistics`), fits the synthetic
+Measures the traces (`eldr.core.workload.synthetic_fit.workload_statistics`), fits the synthetic
 generator's parameters to them (`fit_synthetic_spec`) and prints the statistics of both
 side by side, with the fitted spec as the Python literal that
-`eldr.core.synthetic_fit.FITTED_SPEC` holds (paste it there, with this command and its
+`eldr.core.workload.synthetic_fit.FITTED_SPEC` holds (paste it there, with this command and its
 output in the docstring, when the traces change). Takes a few minutes on two cores.
 """
 
@@ -16,8 +16,8 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
-from eldr.core.synthetic import generate
-from eldr.core.synthetic_fit import (
+from eldr.core.workload.synthetic import generate
+from eldr.core.workload.synthetic_fit import (
     FITTED,
     FITTED_SPEC,
     WorkloadStatistics,

@@ -44,10 +44,10 @@ from eldr.dev.demo import (
     wait_idle,
     worker_stats,
 )
-from eldr.dev.replayer import ReplayConfig, TraceReplayer
 from eldr.dev.stack import Stack, StackConfig
 from eldr.runtime import run_async
 from eldr.settings import BusSettings
+from eldr.sim.traffic import ReplayConfig, TraceReplayer
 
 log = logging.getLogger(__name__)
 

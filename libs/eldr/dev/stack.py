@@ -17,8 +17,8 @@ the same directory is refused), and every child is started so that it dies with 
 supervisor, `kill -9` included (`eldr.dev.supervision`).
 
 The service list is data (`ServiceSpec`), shared with the Tiltfile test, so a service that
-is not written yet (no `eldr_services.<name>.service`) is easy to spot: `missing_services`
-names it, and `StackConfig.skip_missing` starts the rest without it.
+is not installed (no `eldr.services` entry point, see `eldr.serve`) is easy to spot:
+`missing_services` names it, and `StackConfig.skip_missing` starts the rest without it.
 
 Use from Python as a context manager (the demo and the e2e tests do):
 
@@ -29,7 +29,6 @@ Use from Python as a context manager (the demo and the e2e tests do):
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import signal
@@ -57,6 +56,7 @@ from eldr.dev.supervision import (
     StateDirLockedError,
     describe_exit,
 )
+from eldr.serve import service_names as service_names_installed
 from eldr.settings import NAMESPACE_PATTERN, BusSettings
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class ServiceSpec:
     """One service of the local stack."""
 
     name: str
-    """`eldr serve <name>`; the package is `eldr_services.<name>`."""
+    """`eldr serve <name>`: the `eldr.services` entry point of that name."""
     replicas: int = 1
     """Default number of processes; 0 = known but not started unless asked for."""
     after: tuple[str, ...] = ()
@@ -115,16 +115,9 @@ def service_names(services: Sequence[ServiceSpec] = SERVICES) -> tuple[str, ...]
 
 
 def missing_services(services: Sequence[ServiceSpec] = SERVICES) -> list[str]:
-    """Services of the list whose package `eldr_services.<name>.service` does not exist."""
-    missing = []
-    for spec in services:
-        try:
-            found = importlib.util.find_spec(f"eldr_services.{spec.name}.service") is not None
-        except ModuleNotFoundError:
-            found = False
-        if not found:
-            missing.append(spec.name)
-    return missing
+    """Services of the list with no `eldr.services` entry point (not installed)."""
+    installed = set(service_names_installed())
+    return [spec.name for spec in services if spec.name not in installed]
 
 
 def eldr_command() -> list[str]:
@@ -396,7 +389,7 @@ class Stack:
         missing = set(missing_services([s for s, _ in wanted]))
         if missing and not self.config.skip_missing:
             raise StackError(
-                f"services not written yet (no eldr_services.<name>.service): "
+                f"services not installed (no eldr.services entry point): "
                 f"{sorted(missing)}; start without them with skip_missing / --skip-missing"
             )
         self.skipped = sorted(missing)

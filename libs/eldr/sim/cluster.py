@@ -23,7 +23,7 @@ Beyond a fixed fleet (all optional; without them a run is what it always was):
   `delay_s` (the fit's own duration). Each arrival records the version it was routed with.
 - **Worker activity**: policies that use it (`Policy.uses_activity`) see each worker's
   predicted per-step expert activity from the prefill-derived demand of its in-flight
-  requests (`eldr.core.activity`), exactly what a live router derives from the decisions
+  requests (`eldr.core.routing.activity`), exactly what a live router derives from the decisions
   and profiles streams (`demands`, one per request).
 - **What the live router knows** (`information`, `eldr.sim.information`): load reports
   every few hundred milliseconds, decisions counted after their commit and by the other
@@ -44,10 +44,10 @@ from typing import Protocol
 
 import numpy as np
 
-from eldr.core.activity import ActivityTable, ExpertDemand
 from eldr.core.costmodel import CostProfile
-from eldr.core.loadtable import Report
-from eldr.core.policies import FleetView, Policy
+from eldr.core.routing.activity import ActivityTable, ExpertDemand
+from eldr.core.routing.loadtable import Report
+from eldr.core.routing.policies import FleetView, Policy
 from eldr.sim.information import (
     InformationModel,
     RouterReplica,

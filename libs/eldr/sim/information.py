@@ -21,9 +21,10 @@ in flight there. A live router replica (services/router) knows less:
 
 `InformationModel` holds these numbers; `eldr.sim.cluster.simulate(information=...)` runs
 each replica on the live router's own state: a `RouterCore` with its `LoadTable` and
-`ActivityTable` (`eldr.core.router`, `eldr.core.loadtable`, `eldr.core.activity`), fed the
-same events (`on_report`, `on_assignment`, `note_assignment`, `note_finished`, the expiry
-loop's `expire` / `bound_activity`) at the simulated times they would reach it.
+`ActivityTable` (`eldr.core.routing.decide`, `eldr.core.routing.loadtable`,
+`eldr.core.routing.activity`), fed the same events (`on_report`, `on_assignment`,
+`note_assignment`, `note_finished`, the expiry loop's `expire` / `bound_activity`) at the
+simulated times they would reach it.
 
 `LIVE_DEFAULTS` are the live settings and hop latencies measured on the local stack (each
 number's source is in its field's docstring); `InformationModel.perfect()` with all delays
@@ -40,10 +41,10 @@ from typing import Any, Literal
 
 import numpy as np
 
-from eldr.core.activity import ExpertDemand
-from eldr.core.loadtable import LoadTable, Report
-from eldr.core.policies import Policy, PolicySpec
-from eldr.core.router import RouterCore
+from eldr.core.routing.activity import ExpertDemand
+from eldr.core.routing.decide import RouterCore
+from eldr.core.routing.loadtable import LoadTable, Report
+from eldr.core.routing.policies import Policy, PolicySpec
 
 Split = Literal["random", "alternate"]
 SPLITS: tuple[Split, ...] = ("random", "alternate")

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from eldr.core.costmodel import CostProfile
-from eldr.core.trace import expert_counts
+from eldr.core.workload.trace import expert_counts
 
 MAX_TPOT_SAMPLES = 65_536
 """Newest per-request TPOTs kept for statistics (the `SimStats.tpot_s` bound)."""

@@ -7,7 +7,7 @@ its prompt tokens and turns them into:
 
 - `BlockSummaryMsg`s for full KV blocks as soon as every token of the block was computed
   (so a request that hits those blocks in the prefix cache a step later finds them), keyed
-  by the project's own chained block hash (`eldr.core.blocks.hash_chain`, from token ids:
+  by the project's own chained block hash (`eldr.core.signature.blocks.hash_chain`, from token ids:
   the same key the signature service and every other prefill worker use);
 - one `PrefillDone` when the last prompt token was computed: the block-hash chain, the
   number of leading blocks that were prefix-cache hits (`cached_prefix_blocks`: not
@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from eldr.core.blocks import COUNT_DTYPE, hash_chain
-from eldr.core.trace import expert_counts
+from eldr.core.signature.blocks import COUNT_DTYPE, hash_chain
+from eldr.core.workload.trace import expert_counts
 from eldr.wire import BlockSummaryBatch, BlockSummaryMsg, PrefillDone, SparseCounts
 from eldr.wire.base import MAX_ATTRS, MAX_BLOCKS_PER_BATCH, MAX_ID_LEN
 

@@ -87,7 +87,7 @@ class BlockSummaryMsg(msgspec.Struct, frozen=True):
     """Expert counts of one full, cacheable KV block."""
 
     block_hash: U64
-    """Chained 64-bit block hash (`eldr.core.blocks`), identical across processes."""
+    """Chained 64-bit block hash (`eldr.core.signature.blocks`), identical across processes."""
     parent_hash: U64 | None
     """Hash of the previous block of the same sequence; None for a sequence's first block."""
     n_tokens: Positive
@@ -216,7 +216,7 @@ class AssembleRequest(Message, frozen=True, kw_only=True, tag="assemble_request"
     """How long the service may wait for summaries still in flight before answering."""
     prefill_worker: Token | None = None
     """The request's prefill worker: where its own summary of a block differs from the
-    one cached for everyone, its own is used (`eldr.core.blockcache`). None: the shared
+    one cached for everyone, its own is used (`eldr.core.signature.blockcache`). None: the shared
     summaries. v2."""
     v: Version = 2
 
@@ -282,7 +282,7 @@ class Decision(Message, frozen=True, kw_only=True, tag="decision"):
     """Time from taking the PrefillDone to building this decision (its publish not
     included), seconds."""
     rng_seed: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)] | None = None
-    """Seed of the decision's own generator (`eldr.core.router.DecisionRng`), which drew
+    """Seed of the decision's own generator (`eldr.core.routing.decide.DecisionRng`), which drew
     every tie-break and random choice of this decision: a replay re-creates them from it.
     None in records written before the field existed."""
     fleet: Annotated[list[WorkerLoads], msgspec.Meta(max_length=MAX_WORKERS)] = msgspec.field(
@@ -491,7 +491,7 @@ class PartitionBlob(Message, frozen=True, tag="partition_blob"):
     version: Version
     model: Ident
     transform: Ident
-    """Signature transform, e.g. "counts_idf" or "raw" (`eldr.core.signature`)."""
+    """Signature transform, e.g. "counts_idf" or "raw" (`eldr.core.signature.signature`)."""
     num_moe_layers: NumMoeLayers
     num_experts: NumExperts
     idf: NdArray | None

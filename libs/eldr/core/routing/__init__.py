@@ -1,0 +1,1 @@
+"""The routing rule: policies, the decision around them, load and expert-activity views."""

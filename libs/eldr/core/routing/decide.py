@@ -1,0 +1,440 @@
+"""The routing decision, as a pure function of the router's state.
+
+`RouterCore` holds what a router replica knows: the live load table, the active partition
+and the configured policy. `decide` turns one request (its prefill expert counts, or the
+reason they are missing) into a `RouteOutcome`: the chosen worker and everything needed to
+explain and replay the choice (candidate scores, the band, the loads seen, any fallback).
+
+Fallback: a locality policy that cannot score the request (no partition yet, no signature,
+a partition for another model, a signature of another geometry, no live worker in the
+partition) routes with the best load-only policy, JSQ on the same load measure, and says
+why in `fallback`.
+
+Elastic pools: only live workers are candidates, so a departed worker's centroid is never
+chosen (its cluster's requests go to the best-scoring live workers), and a live worker the
+partition has no centroid for is marked in `FleetView.has_centroid`, so the band rule can
+give it traffic until the trainer refits for the new worker set.
+
+Cost-aware policies (`Policy.uses_activity`, e.g. "eldr_cost") also see, per worker, the
+experts its in-flight requests are predicted to activate (`RouterCore.activity`, fed by
+`note_assignment` for every replica's decisions and `note_finished` for the gateway's
+finish events and decode profiles); `route` takes that view as `expert_miss`. The table
+is bounded per worker by what the load table says is in flight there
+(`bound_activity`), so a finish that is never seen cannot make an entry live forever.
+
+Replay: `route` is the whole decision as a pure function of its inputs (live workers and
+their loads, the partition, the request, the policy and a generator). `RouterCore.decide`
+reads those inputs from the load table and draws a fresh 63-bit seed per decision for the
+generator (`DecisionRng`); the seed goes into the decision record, so a replay that feeds
+the recorded inputs to `route` re-creates every tie-break and random draw exactly, in
+whatever order the decisions are replayed (`eldr.replay.engine`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from eldr.core.limits import GeometryLimits
+from eldr.core.partition.partition import Partition
+from eldr.core.routing.activity import (
+    DEFAULT_MAX_ENTRIES,
+    DEFAULT_TTL_S,
+    ActivityTable,
+    ExpertDemand,
+    estimate_top_k,
+    expert_demand,
+)
+from eldr.core.routing.loadtable import LoadTable
+from eldr.core.routing.policies import (
+    LOAD_MEASURES,
+    FleetView,
+    JoinShortestQueue,
+    LoadMeasure,
+    Policy,
+    PolicySpec,
+    make_policy,
+)
+
+FALLBACK_REASONS = (
+    "no_partition",
+    "model_mismatch",
+    "geometry_mismatch",
+    "no_signature",
+    "signature_timeout",
+    "signature_unavailable",
+    "signature_error",
+    "empty_signature",
+    "no_live_worker_in_partition",
+    "no_centroid",
+    "no_capture",
+)
+"""Every value `RouteOutcome.fallback` can take (a bounded metric label)."""
+
+SIGNATURE_FALLBACKS = (
+    "no_capture",
+    "no_signature",
+    "signature_timeout",
+    "signature_unavailable",
+    "signature_error",
+    "empty_signature",
+)
+"""Fallback reasons that come from fetching the signature (`RouteRequest.signature_error`)."""
+
+SEED_LIMIT = 1 << 63
+"""Per-decision seeds are drawn from [0, SEED_LIMIT) (fits a signed 64-bit column)."""
+
+DEMAND_CACHE = 4096
+"""Most demands kept between a decision and the note of its assignment."""
+
+_JSQ = {m: JoinShortestQueue(load_measure=m) for m in LOAD_MEASURES}
+"""The load-only fallback, per load measure (stateless, so shared)."""
+
+
+class NoLiveWorkersError(RuntimeError):
+    """No decode worker is live: the request must wait (it is retried, never dropped)."""
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """One request to route.
+
+    counts: the request's prefill expert counts [L, E] (None if the signature service did not
+    provide them; `signature_error` then says why: one of the FALLBACK_REASONS).
+    """
+
+    request_id: str
+    model: str
+    prompt_tokens: int
+    counts: np.ndarray | None = None
+    missing_blocks: int = 0
+    signature_error: str | None = None
+
+
+@dataclass(frozen=True)
+class RouteOutcome:
+    worker_id: str
+    policy: str
+    params: dict[str, float | int | str]
+    partition_version: int | None
+    fallback: str | None
+    scores: tuple[tuple[str, float], ...]
+    band: tuple[str, ...]
+    loads: tuple[tuple[str, float], ...]
+    """The policy's load measure of every live worker."""
+    fleet: tuple[tuple[str, int, int], ...] = ()
+    """Every live worker as (id, in-flight requests, KV tokens): both load measures."""
+    rng_seed: int | None = None
+    """Seed of the decision's generator (`DecisionRng.seeded`); None when the caller
+    passed its own generator."""
+
+
+class DecisionRng:
+    """Hands out one generator per decision, seeded by the decision's recorded seed.
+
+    Every decision draws (tie-breaks, random choices, P2C pairs) from a generator seeded
+    by its own seed, so replaying decisions in any order re-creates their draws. The
+    generator is one PCG64 re-seeded by setting its state (state = seed, a fixed odd
+    increment): about 1 us, against about 9 us for building a seeded Generator, on the
+    request path. Not thread-safe; the returned generator is valid until the next call.
+    """
+
+    INCREMENT = 0x5851F42D4C957F2D_14057B7EF767814F
+    """Odd 128-bit PCG increment (a fixed constant: part of the replay contract)."""
+
+    def __init__(self) -> None:
+        self._bits = np.random.PCG64(0)
+        self._generator = np.random.Generator(self._bits)
+
+    def seeded(self, seed: int) -> np.random.Generator:
+        if not 0 <= seed < SEED_LIMIT:
+            raise ValueError(f"a decision seed must be in [0, 2**63), got {seed}")
+        self._bits.state = {
+            "bit_generator": "PCG64",
+            "state": {"state": seed, "inc": self.INCREMENT},
+            "has_uint32": 0,
+            "uinteger": 0,
+        }
+        return self._generator
+
+
+def locality_scores(
+    partition: Partition | None, req: RouteRequest, live: tuple[str, ...], tau: float
+) -> tuple[np.ndarray | None, str | None]:
+    """Locality scores of the live workers, or the reason there are none."""
+    if partition is None:
+        return None, "no_partition"
+    if partition.model != req.model:
+        return None, "model_mismatch"
+    if req.counts is None:
+        return None, req.signature_error or "no_signature"
+    cal = partition.calibration
+    if req.counts.size != cal.num_moe_layers * cal.num_experts:
+        return None, "geometry_mismatch"
+    if not np.any(req.counts):
+        return None, "empty_signature"
+    scores = partition.scores_for(req.counts, live, tau=tau)
+    if not np.isfinite(scores).any():
+        return None, "no_live_worker_in_partition"
+    return scores, None
+
+
+def request_demand(policy: Policy, req: RouteRequest) -> ExpertDemand | None:
+    """The request's predicted per-step expert activation under `policy`'s parameters
+    (prior, top-k), or None without usable counts."""
+    counts = req.counts
+    if counts is None or counts.ndim != 2 or not np.any(counts):
+        return None
+    params = policy.params()
+    top_k = int(params.get("top_k", 0) or 0) or estimate_top_k(counts, req.prompt_tokens)
+    prior = float(params.get("prior_tokens", 1.0))
+    return expert_demand(counts, top_k=min(top_k, counts.shape[1]), prior_tokens=prior)
+
+
+def has_centroid(partition: Partition | None, workers: tuple[str, ...]) -> np.ndarray | None:
+    """Which of `workers` own a centroid in `partition` (None: no partition, or all do)."""
+    if partition is None:
+        return None
+    mask = np.array([partition.owns(w) for w in workers], dtype=bool)
+    return None if mask.all() else mask
+
+
+def route(
+    req: RouteRequest,
+    *,
+    policy: Policy,
+    load_measure: LoadMeasure,
+    tau: float,
+    partition: Partition | None,
+    workers: tuple[str, ...],
+    in_flight: np.ndarray,
+    kv_tokens: np.ndarray,
+    rng: np.random.Generator,
+    rng_seed: int | None = None,
+    max_scores: int = 8,
+    expert_miss: np.ndarray | None = None,
+    demand: ExpertDemand | None = None,
+) -> RouteOutcome:
+    """The decision for `req` given the router's inputs (pure apart from `policy`'s own
+    state, the round-robin cursor).
+
+    workers: the live workers (non-empty); in_flight / kv_tokens: their loads, aligned.
+    `tau` is passed to the centroid index (an approximate index may skip workers certainly
+    outside the band). A locality policy that cannot score the request routes with JSQ on
+    `load_measure` and says why in `fallback`. expert_miss: for policies that use worker
+    activity, `ActivityTable.miss_view(workers)` at decision time (None: not tracked);
+    demand: `request_demand(policy, req)` if the caller has it already.
+    """
+    scores: np.ndarray | None = None
+    fallback: str | None = None
+    chooser = policy
+    if policy.wants_scores:
+        scores, reason = locality_scores(partition, req, workers, tau)
+        if policy.uses_signature and scores is None:
+            chooser = _JSQ[load_measure]
+            fallback = reason
+    probability: np.ndarray | None = None
+    if policy.uses_activity:
+        expert = demand if demand is not None else request_demand(policy, req)
+        if expert is None:
+            fallback = req.signature_error or (
+                "no_signature" if req.counts is None else "empty_signature"
+            )
+        else:
+            probability = expert.probability()
+            if expert_miss is not None and expert_miss.shape[1] != probability.shape[0]:
+                expert_miss = None  # the table holds another model's geometry
+    view = FleetView(
+        workers=workers,
+        in_flight=in_flight,
+        kv_tokens=kv_tokens,
+        scores=scores,
+        has_centroid=None if scores is None else has_centroid(partition, workers),
+        expert_miss=expert_miss if probability is not None else None,
+        demand=probability,
+    )
+    choice = chooser.choose(view, rng)
+    if choice.fallback and fallback is None:
+        fallback = choice.fallback
+    load = view.load(load_measure)
+    ranked: tuple[tuple[str, float], ...] = ()
+    if scores is not None:
+        finite = np.flatnonzero(np.isfinite(scores))
+        order = finite[np.argsort(-scores[finite], kind="stable")][:max_scores]
+        ranked = tuple((workers[i], float(scores[i])) for i in order)
+    return RouteOutcome(
+        worker_id=workers[choice.index],
+        policy=policy.name,
+        params=policy.params(),
+        partition_version=(
+            partition.version if partition is not None and policy.wants_scores else None
+        ),
+        fallback=fallback,
+        scores=ranked,
+        band=tuple(workers[i] for i in choice.band),
+        loads=tuple((w, float(x)) for w, x in zip(workers, load, strict=True)),
+        fleet=tuple(
+            (w, int(n), int(kv)) for w, n, kv in zip(workers, in_flight, kv_tokens, strict=True)
+        ),
+        rng_seed=rng_seed,
+    )
+
+
+class RouterCore:
+    """One router replica's state (load table, partition, policy) and its decisions.
+
+    `rng` only draws each decision's seed; the decision itself draws from a generator
+    seeded by that seed (`DecisionRng`), recorded as `RouteOutcome.rng_seed`.
+    """
+
+    def __init__(
+        self,
+        policy: PolicySpec,
+        table: LoadTable,
+        rng: np.random.Generator,
+        max_scores: int = 8,
+        activity_ttl_s: float = DEFAULT_TTL_S,
+        activity_slack: int = 4,
+        activity_max_entries: int = DEFAULT_MAX_ENTRIES,
+        limits: GeometryLimits | None = None,
+    ) -> None:
+        if activity_slack < 0:
+            raise ValueError(f"activity_slack must be >= 0, got {activity_slack}")
+        self.limits = limits or GeometryLimits()
+        """The geometries this router accepts counts of (beyond its partition's)."""
+        self.table = table
+        self.rng = rng
+        self.max_scores = max_scores
+        self.activity = ActivityTable(ttl_s=activity_ttl_s, max_entries=activity_max_entries)
+        """Per worker, the experts its in-flight requests are predicted to activate."""
+        self.activity_slack = activity_slack
+        """Entries a worker may hold beyond its in-flight count (timing between a finish
+        event, a load report and a decision echo)."""
+        self._decided_demands: OrderedDict[str, ExpertDemand | None] = OrderedDict()
+        """Demands `decide` computed, by request id, taken back when the assignment is
+        noted (decisions are awaited concurrently: several can be between the two). The
+        oldest are dropped beyond `DEMAND_CACHE` (a decision that was never published)."""
+        self.partition: Partition | None = None
+        self.spec = policy
+        self.policy: Policy = make_policy(policy)
+        self._decision_rng = DecisionRng()
+
+    def set_policy(self, spec: PolicySpec) -> None:
+        """Switch policy (validated first: a bad spec leaves the old policy in place)."""
+        policy = make_policy(spec)
+        self.spec = spec
+        self.policy = policy
+
+    def set_partition(self, partition: Partition | None) -> None:
+        """Route with `partition` from now on; the activity table takes its geometry (a
+        partition of another geometry starts it afresh)."""
+        self.partition = partition
+        if partition is not None:
+            cal = partition.calibration
+            self.activity.set_shape((cal.num_moe_layers, cal.num_experts))
+
+    def geometry_problem(self, model: str, n_layers: int, n_experts: int) -> str | None:
+        """Why counts of `model` shaped `n_layers` x `n_experts` are not this router's to
+        use, or None: the active partition's geometry for its model, else `limits`."""
+        partition = self.partition
+        if partition is not None and partition.model == model:
+            cal = partition.calibration
+            if (n_layers, n_experts) != (cal.num_moe_layers, cal.num_experts):
+                return (
+                    f"partition version {partition.version} of {model!r} is "
+                    f"{cal.num_moe_layers} x {cal.num_experts}, the message says "
+                    f"{n_layers} x {n_experts}"
+                )
+            return None
+        return self.limits.problem(model, n_layers, n_experts)
+
+    @property
+    def load_measure(self) -> LoadMeasure:
+        return self.spec.load_measure
+
+    def note_assignment(
+        self,
+        worker_id: str,
+        request_id: str,
+        counts: np.ndarray | None,
+        prompt_tokens: int,
+        now_s: float,
+    ) -> None:
+        """A decision (any replica's) sent a request to a worker: count its experts there.
+        A request already counted (this replica's own decision, seen again on the
+        decisions stream) is left as it is."""
+        if request_id in self.activity or self.table.was_finished(request_id):
+            self._decided_demands.pop(request_id, None)
+            return
+        if request_id in self._decided_demands:
+            demand = self._decided_demands.pop(request_id)
+        else:
+            demand = request_demand(
+                self.policy, RouteRequest(request_id, "", prompt_tokens, counts=counts)
+            )
+        if demand is not None:
+            self.activity.add(worker_id, request_id, demand, now_s)
+            self.bound_activity(worker_id)
+
+    def note_finished(self, request_id: str, now_s: float) -> bool:
+        """A request left its decode worker (finish event or decode profile): it no
+        longer loads that worker's steps or queue. True if it was tracked anywhere."""
+        pending = self.table.on_finished(request_id, now_s)
+        active = self.activity.finish(request_id)
+        self._decided_demands.pop(request_id, None)
+        return pending or active
+
+    def note_moved(self, request_id: str, worker_id: str, now_s: float) -> bool:
+        """The request went to `worker_id` instead (the gateway retried before it
+        started): it leaves its first worker's tables at once. True if it was tracked."""
+        self.table.on_moved(request_id, worker_id, now_s)
+        moved = self.activity.move(request_id, worker_id)
+        if moved:
+            self.bound_activity(worker_id)
+        return moved
+
+    def activity_limit(self, worker_id: str) -> int | None:
+        """Most activity entries `worker_id` may hold: its in-flight requests (last report
+        plus pending assignments) plus `activity_slack`. None for a worker not in the load
+        table (not reported yet, e.g. just after this replica started: its entries are
+        bounded by the TTL and the table's size, and leave with the worker)."""
+        in_flight = self.table.in_flight(worker_id)
+        return None if in_flight is None else in_flight + self.activity_slack
+
+    def bound_activity(self, worker_id: str) -> int:
+        """Evict `worker_id`'s oldest activity entries beyond `activity_limit`; returns
+        how many (requests whose finish this replica never saw)."""
+        limit = self.activity_limit(worker_id)
+        return 0 if limit is None else self.activity.evict_over(worker_id, limit)
+
+    def decide(self, req: RouteRequest, now_s: float) -> RouteOutcome:
+        live = self.table.live_workers(now_s)
+        if not live:
+            raise NoLiveWorkersError("no live decode worker in the load table")
+        in_flight, kv = self.table.loads(live)
+        seed = int(self.rng.integers(SEED_LIMIT))
+        demand: ExpertDemand | None = None
+        miss: np.ndarray | None = None
+        if self.policy.uses_activity:
+            demand = request_demand(self.policy, req)
+            self._decided_demands[req.request_id] = demand
+            while len(self._decided_demands) > DEMAND_CACHE:
+                self._decided_demands.popitem(last=False)
+            miss = self.activity.miss_view(live)
+        return route(
+            req,
+            policy=self.policy,
+            load_measure=self.load_measure,
+            tau=self.spec.tau,
+            partition=self.partition,
+            workers=live,
+            in_flight=in_flight,
+            kv_tokens=kv,
+            rng=self._decision_rng.seeded(seed),
+            rng_seed=seed,
+            max_scores=self.max_scores,
+            expert_miss=miss,
+            demand=demand,
+        )

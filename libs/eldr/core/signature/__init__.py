@@ -1,0 +1,1 @@
+"""Request signatures: KV block hashing, the block cache and the calibrated signature math."""

@@ -1,0 +1,1 @@
+"""Pure pieces of partition training: the window of recent signatures a refit reads."""

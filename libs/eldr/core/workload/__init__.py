@@ -1,0 +1,1 @@
+"""Workloads as data: traces, the synthetic generator and its fit, benchmark sizing."""

@@ -1,0 +1,1 @@
+"""Deployment: rendering the manifests (kustomize subset) and the `eldr deploy` CLI."""

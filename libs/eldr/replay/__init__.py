@@ -1,0 +1,1 @@
+"""Replay of recorded decisions: event log, event sources, the replay engine, explain, CLI."""

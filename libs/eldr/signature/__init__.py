@@ -1,0 +1,1 @@
+"""The signature service's state: blocks seen per request and signatures built from them."""
