@@ -31,10 +31,11 @@ test-vllm: venv-vllm ## real-vLLM tests (tests/vllm; about 2 min warm, 4 cold)
 	.venv-vllm/bin/python -m pytest tests/vllm $(PYTEST_ARGS)
 
 .PHONY: lint
-lint: venv ## ruff (lint + format check) and mypy
+lint: venv ## ruff (lint + format check), mypy and the import contracts (layers, no cycles)
 	$(BIN)/ruff check libs services tests migrations
 	$(BIN)/ruff format --check libs services tests migrations
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 .PHONY: fmt
 fmt: venv ## apply ruff fixes and formatting

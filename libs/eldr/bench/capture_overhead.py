@@ -1,6 +1,6 @@
 """Measure what the capture plugin costs: the same workload with capture off and on.
 
-    python -m eldr.vllm.overhead [--model DIR] [--prompts 64] [--prompt-words 300]
+    python -m eldr.bench.capture_overhead [--model DIR] [--prompts 64] [--prompt-words 300]
 
 Builds the tiny model when no `--model` is given, starts an embedded nats-server with the
 ELDR topology (so the plugin really publishes), then runs, in a fresh process each (the
