@@ -142,6 +142,16 @@ async def test_conditional_publish_first_write_wins(bus: Bus, topology: Topology
     assert stored.worker_id == "d0"
 
 
+async def test_commit_once_keeps_the_first_record(bus: Bus, topology: Topology) -> None:
+    await applied(bus, topology)
+    stream, subject = topology.stream_name(DECISIONS), bus.subjects.decision("req-once")
+    first = await bus.commit_once(stream, subject, decision("req-once", "d0"))
+    second = await bus.commit_once(stream, subject, decision("req-once", "d1"))
+    assert first.first and first.record.worker_id == "d0"
+    assert not second.first and second.record.worker_id == "d0"
+    assert (await bus.stream_state(stream)).messages == 1
+
+
 async def test_get_last_of_an_empty_subject_is_none(bus: Bus, topology: Topology) -> None:
     await applied(bus, topology)
     subject = bus.subjects.decision("nobody")

@@ -7,6 +7,7 @@ Services use `Bus` (client.py), the topology as data (topology.py) and `apply_to
 from eldr.bus.apply import TopologyChange, apply_topology, delete_topology
 from eldr.bus.client import (
     Bus,
+    Committed,
     Consumer,
     ConsumerState,
     Delivery,
@@ -33,6 +34,7 @@ from eldr.bus.errors import (
     Retry,
     TopologyError,
 )
+from eldr.bus.hold import hold_while
 from eldr.bus.topology import (
     ROUTER_CONSUMER,
     SIGNATURE_QUEUE,
@@ -54,6 +56,7 @@ __all__ = [
     "Bus",
     "BusError",
     "BusTimeoutError",
+    "Committed",
     "Consumer",
     "ConsumerSpec",
     "ConsumerState",
@@ -81,6 +84,7 @@ __all__ = [
     "apply_topology",
     "build_topology",
     "delete_topology",
+    "hold_while",
     "is_reply_inbox",
     "rid_token",
     "stream_name",

@@ -136,6 +136,15 @@ class PublishAck:
 
 
 @dataclass(frozen=True)
+class Committed(Generic[M]):
+    """What `Bus.commit_once` left on the subject."""
+
+    record: M
+    first: bool
+    """True: the given record was committed; False: an earlier one was there (`record`)."""
+
+
+@dataclass(frozen=True)
 class ObjectRef:
     bucket: str
     name: str
@@ -501,6 +510,26 @@ class Bus:
             expected_last_subject_seq=expected_last_subject_seq,
             timeout_s=timeout_s,
         )
+
+    async def commit_once(self, stream: str, subject: str, record: M) -> Committed[M]:
+        """Make `record` the one record of `subject` in `stream`: published only if the
+        subject has none yet (`expected_last_subject_seq=0`), so of several writers (router
+        replicas, redeliveries of one event) the first wins. Returns the record that
+        stands: `record` with `first=True`, or the earlier one with `first=False`.
+
+        Raises `Retry` (redelivered in 0.1 s) when another record won but is gone by the
+        time it is read (retention dropped it in between: decide again later).
+        """
+        try:
+            await self.js_publish(subject, record, expected_last_subject_seq=0)
+        except AlreadyExists:
+            existing = await self.get_last(stream, subject, type(record))
+            if existing is None:
+                raise Retry(
+                    f"{type(record).__name__.lower()} vanished after a conflict", delay_s=0.1
+                ) from None
+            return Committed(existing, first=False)
+        return Committed(record, first=True)
 
     async def publish_raw(
         self,
