@@ -24,31 +24,18 @@ import time
 import uuid
 
 import aiohttp
-from prometheus_client import Counter, Gauge
 
 from eldr.bus import BusError, Delivery
 from eldr.runtime import ServiceContext, service_main
 from eldr.vllm.load import AdmissionTracker, MetricsError, VllmLoad, parse_metrics
 from eldr.wire import Decision, LoadReport
 
+from .metrics import AdapterMetrics
 from .settings import DecodeAdapterSettings
 
 log = logging.getLogger(__name__)
 
 NAME = "decodeadapter"
-
-
-class AdapterMetrics:
-    def __init__(self, ctx: ServiceContext[DecodeAdapterSettings]) -> None:
-        r = ctx.registry
-        self.scrapes = Counter(
-            "eldr_adapter_scrapes_total",
-            "Scrapes of the vLLM instance's /metrics by outcome (ok, unreachable, invalid).",
-            ["outcome"],
-            registry=r,
-        )
-        self.reports = Counter("eldr_adapter_reports_total", "Load reports published.", registry=r)
-        self.up = Gauge("eldr_adapter_instance_up", "1 when the last scrape succeeded.", registry=r)
 
 
 class DecodeAdapter:
@@ -58,7 +45,7 @@ class DecodeAdapter:
         self.ctx = ctx
         self.settings = ctx.settings
         self.session = session
-        self.metrics = AdapterMetrics(ctx)
+        self.metrics = AdapterMetrics(ctx.registry)
         self.tracker = AdmissionTracker(pending_ttl_s=self.settings.adapter_pending_ttl_s)
         self.adapter_id = uuid.uuid4().hex[:12]
         self.seq = 0

@@ -19,21 +19,20 @@ import time
 import zlib
 
 import numpy as np
-from prometheus_client import Counter, Gauge, Histogram
 
 from eldr.bus import (
     ROUTER_CONSUMER,
-    AlreadyExists,
     BusError,
     BusTimeoutError,
     Delivery,
     NoRespondersError,
     Retry,
     build_topology,
+    hold_while,
     is_reply_inbox,
 )
 from eldr.bus.topology import DECISIONS, IDENTITY, PARTITIONS, PREFILL
-from eldr.core.routing.decide import FALLBACK_REASONS, NoLiveWorkersError, RouterCore, RouteRequest
+from eldr.core.routing.decide import NoLiveWorkersError, RouterCore, RouteRequest
 from eldr.core.routing.loadtable import LoadTable, Report
 from eldr.core.routing.policies import PolicySpec
 from eldr.partitions.codec import partition_from_blob
@@ -56,6 +55,7 @@ from eldr.wire import (
 from eldr.wire.messages import NO_WORKER
 
 from .load_metrics import LoadTableCollector
+from .metrics import RouterMetrics
 from .settings import RouterSettings
 
 log = logging.getLogger(__name__)
@@ -67,135 +67,11 @@ PARTITION_RETRY_MIN_S = 0.5
 PARTITION_RETRY_MAX_S = 10.0
 """A failed partition load is retried after 0.5 s, doubling up to 10 s (a missing blob
 costs one object-store lookup per 10 s)."""
-LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5)
 
 
 def expired(msg: PrefillDone, now_s: float) -> bool:
     """Whether the event's requester has stopped waiting (its deadline is past)."""
     return msg.deadline_s is not None and now_s > msg.deadline_s
-
-
-class RouterMetrics:
-    def __init__(self, ctx: ServiceContext[RouterSettings]) -> None:
-        r = ctx.registry
-        self.decisions = Counter(
-            "eldr_router_decisions_total",
-            "Decisions committed by this replica, by policy and fallback reason.",
-            ["policy", "fallback"],
-            registry=r,
-        )
-        self.decision_seconds = Histogram(
-            "eldr_router_decision_latency_seconds",
-            "From taking a PrefillDone to the committed decision.",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.signature_seconds = Histogram(
-            "eldr_router_signature_fetch_seconds",
-            "Signature request/reply round trip.",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.signature_outcomes = Counter(
-            "eldr_router_signature_fetches_total",
-            "Signature fetches by outcome (complete, partial, timeout, unavailable, error, "
-            "no_signature).",
-            ["outcome"],
-            registry=r,
-        )
-        self.already_decided = Counter(
-            "eldr_router_already_decided_total",
-            "Redelivered PrefillDone events answered with the decision committed earlier.",
-            registry=r,
-        )
-        self.expired = Counter(
-            "eldr_router_expired_total",
-            "PrefillDone events taken after their deadline (the requester had stopped "
-            "waiting), recorded as expired instead of assigned.",
-            registry=r,
-        )
-        self.no_live_workers = Counter(
-            "eldr_router_no_live_workers_total",
-            "PrefillDone events put back because no decode worker was live.",
-            registry=r,
-        )
-        self.live_workers = Gauge(
-            "eldr_router_live_workers", "Decode workers in the load table.", registry=r
-        )
-        self.partition_version = Gauge(
-            "eldr_router_partition_version", "Partition version in use (0: none).", registry=r
-        )
-        self.partition_loads = Counter(
-            "eldr_router_partition_loads_total",
-            "Partition load attempts, by outcome (ok, error: each failed attempt; retried "
-            "with backoff).",
-            ["outcome"],
-            registry=r,
-        )
-        self.partition_announced = Gauge(
-            "eldr_router_partition_announced_version",
-            "Newest partition version this replica has seen announced (0: none).",
-            registry=r,
-        )
-        self.partition_behind = Gauge(
-            "eldr_router_partition_behind",
-            "1 while the newest announced partition version is not the one in use (its "
-            "load failed and is being retried, or is under way).",
-            registry=r,
-        )
-        self.load_reports = Counter(
-            "eldr_router_load_reports_total",
-            "Load reports applied (ok), ignored as out of order (stale), or refused because "
-            "they would add a worker beyond max_workers (fleet_full).",
-            ["outcome"],
-            registry=r,
-        )
-        for outcome in ("ok", "stale", "fleet_full"):
-            self.load_reports.labels(outcome)
-        self.activity_requests = Gauge(
-            "eldr_router_activity_requests",
-            "In-flight requests whose predicted experts cost-aware routing counts against "
-            "their workers (assigned, finish not yet seen).",
-            registry=r,
-        )
-        self.activity_bytes = Gauge(
-            "eldr_router_activity_bytes",
-            "Memory held by the activity table's entries and per-worker sums.",
-            registry=r,
-        )
-        self.activity_evictions = Counter(
-            "eldr_router_activity_evictions_total",
-            "Activity entries dropped without a finish: over the worker's in-flight count "
-            "plus slack (over_in_flight), older than activity_ttl_s (ttl), table full "
-            "(capacity), worker left the table (worker_gone).",
-            ["reason"],
-            registry=r,
-        )
-        self.finished = Counter(
-            "eldr_router_finish_events_total",
-            "Finish events taken, by reason (stop, length, abort, error, moved; profile for "
-            "a decode profile) and whether this replica tracked the request (tracked, "
-            "untracked).",
-            ["reason", "outcome"],
-            registry=r,
-        )
-        self.rejected_inputs = Counter(
-            "eldr_router_rejected_inputs_total",
-            "Well-formed inputs not used for what they claim, by kind: prefill_geometry (a "
-            "PrefillDone's counts of a geometry other than the partition's or beyond the "
-            "limits: decided load-only, nothing allocated), decision_geometry (another "
-            "replica's decision, not counted in the activity table), activity_shape (an "
-            "assignment of another geometry than the activity table's).",
-            ["kind"],
-            registry=r,
-        )
-        for kind in ("prefill_geometry", "decision_geometry", "activity_shape"):
-            self.rejected_inputs.labels(kind)
-        for reason in ("over_in_flight", "ttl", "capacity", "worker_gone"):
-            self.activity_evictions.labels(reason)
-        # Pre-create the bounded label sets so dashboards see zeros.
-        for reason in ("none", *FALLBACK_REASONS):
-            self.decisions.labels(ctx.settings.policy, reason)
 
 
 class RouterService:
@@ -206,7 +82,7 @@ class RouterService:
         self.bus = ctx.bus
         self.subjects = ctx.bus.subjects
         self.topology = build_topology(s.namespace, s)
-        self.metrics = RouterMetrics(ctx)
+        self.metrics = RouterMetrics(ctx.registry, s.policy)
         self.table = LoadTable(
             stale_after_s=s.stale_after_s, pending_ttl_s=s.pending_ttl_s, max_workers=s.max_workers
         )
@@ -563,40 +439,24 @@ class RouterService:
             missing_blocks=missing,
             signature_error=sig_error,
         )
-        deadline = time.monotonic() + self.settings.no_worker_wait_s
-        # Held events keep their delivery: JetStream is told they are in progress well
-        # within its ack wait. (Handing them back after a short wait spent one of the
-        # consumer's max_deliver deliveries per wait, so a decode fleet down for ~15 s had
-        # its waiting requests dead-lettered: found by tests/faults.)
-        progress_every_s = self.settings.router_ack_wait_s / 3
-        next_progress = time.monotonic() + progress_every_s
-        while True:
-            try:
-                outcome = self.core.decide(request, time.monotonic())
-                break
-            except NoLiveWorkersError as exc:
-                # Hold the request while a worker may come back (every load report wakes
-                # us), then hand it back to JetStream for a later redelivery; one whose
-                # requester stops waiting meanwhile is recorded as expired.
-                now = time.monotonic()
-                wall = time.time()
-                if expired(msg, wall):
-                    await self._expire(msg, subject, taken)
-                    return
-                remaining = deadline - now
-                if remaining <= 0 or self.ctx.stopping.is_set():
-                    self.metrics.no_live_workers.inc()
-                    raise Retry(str(exc), delay_s=self.settings.no_worker_retry_s) from exc
-                if now >= next_progress and delivery.in_progress is not None:
-                    await delivery.in_progress()
-                    next_progress = now + progress_every_s
-                wait_s = min(remaining, max(0.0, next_progress - now))
-                if msg.deadline_s is not None:
-                    wait_s = min(wait_s, max(0.0, msg.deadline_s - wall) + 0.001)
-                self._report_arrived.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._report_arrived.wait(), timeout=wait_s)
-        if expired(msg, time.time()):
+        # Hold the request while no worker is live (every load report wakes us, its
+        # delivery is kept: `hold_while`), then hand it back to JetStream for a later
+        # redelivery; one whose requester stops waiting meanwhile is recorded as expired.
+        try:
+            outcome = await hold_while(
+                lambda: self.core.decide(request, time.monotonic()),
+                NoLiveWorkersError,
+                delivery=delivery,
+                wake=self._report_arrived,
+                hold_s=self.settings.no_worker_wait_s,
+                progress_every_s=self.settings.router_ack_wait_s / 3,
+                stopping=self.ctx.stopping,
+                deadline_s=msg.deadline_s,
+            )
+        except NoLiveWorkersError as exc:
+            self.metrics.no_live_workers.inc()
+            raise Retry(str(exc), delay_s=self.settings.no_worker_retry_s) from exc
+        if outcome is None or expired(msg, time.time()):
             await self._expire(msg, subject, taken)
             return
         decision = Decision(
@@ -634,15 +494,10 @@ class RouterService:
     async def _commit(self, msg: PrefillDone, subject: str, decision: Decision) -> bool:
         """Commit `decision` as the request's record (first write wins); False if another
         was there first (it is answered instead)."""
-        try:
-            await self.bus.js_publish(subject, decision, expected_last_subject_seq=0)
-        except AlreadyExists:
-            existing = await self.bus.get_last(self.decisions_stream, subject, Decision)
-            if existing is None:  # retention dropped it in between: decide again later
-                raise Retry("decision vanished after a conflict", delay_s=0.1) from None
-            await self._answer(msg, existing, already=True)
-            return False
-        return True
+        committed = await self.bus.commit_once(self.decisions_stream, subject, decision)
+        if not committed.first:
+            await self._answer(msg, committed.record, already=True)
+        return committed.first
 
     async def _expire(self, msg: PrefillDone, subject: str, taken: float) -> None:
         """The requester stopped waiting (the event's deadline passed): commit an expired

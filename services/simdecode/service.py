@@ -11,7 +11,8 @@ from __future__ import annotations
 from eldr.data.profiles import load_catalog
 from eldr.runtime import ServiceContext, service_main
 
-from .host import HostConfig, SimDecodeHost, SimDecodeMetrics
+from .host import HostConfig, SimDecodeHost
+from .metrics import SimDecodeMetrics
 from .settings import SimDecodeSettings
 
 NAME = "simdecode"

@@ -51,7 +51,8 @@ from eldr_services.router.service import RouterService
 from eldr_services.router.settings import RouterSettings
 from eldr_services.signature.service import Replica
 from eldr_services.signature.settings import SignatureSettings
-from eldr_services.simdecode.host import HostConfig, SimDecodeHost, SimDecodeMetrics
+from eldr_services.simdecode.host import HostConfig, SimDecodeHost
+from eldr_services.simdecode.metrics import SimDecodeMetrics
 from eldr_services.trainer.service import TrainerService
 from eldr_services.trainer.settings import TrainerSettings
 

@@ -1,0 +1,101 @@
+"""The gateway's Prometheus metrics (on the registry its runtime owns)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.requests = Counter(
+            "eldr_gateway_requests_total",
+            "Client requests by endpoint and outcome (ok, client_error, upstream_error, "
+            "unavailable).",
+            ["endpoint", "outcome"],
+            registry=r,
+        )
+        self.decision_wait = Histogram(
+            "eldr_gateway_decision_wait_seconds",
+            "From the prefill's answer to the routing decision.",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.prefill_seconds = Histogram(
+            "eldr_gateway_prefill_seconds",
+            "Prefill request round trip.",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.decisions = Counter(
+            "eldr_gateway_decisions_total",
+            "How the decode instance was chosen (inbox, stream, fallback).",
+            ["source"],
+            registry=r,
+        )
+        self.prefill_reconnects = Counter(
+            "eldr_gateway_prefill_reconnects_total",
+            "Prefill requests sent again on a fresh connection after the instance dropped "
+            "the kept-alive one before answering.",
+            registry=r,
+        )
+        self.decode_retries = Counter(
+            "eldr_gateway_decode_retries_total",
+            "Decode attempts moved to the next candidate after a failure before streaming.",
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "eldr_gateway_requests_in_flight", "Client requests being served.", registry=r
+        )
+        self.upstream_healthy = Gauge(
+            "eldr_gateway_upstream_healthy",
+            "1 when the instance answered its last /health probe.",
+            ["role", "instance"],
+            registry=r,
+        )
+        self.finish_events = Counter(
+            "eldr_gateway_finish_events_total",
+            "RequestFinished events published, by reason (stop, length, abort, error, "
+            "moved; unpublished when the publish failed).",
+            ["reason"],
+            registry=r,
+        )
+        self.client_aborts = Counter(
+            "eldr_gateway_client_aborts_total",
+            "Streams the client broke off (the decode request was cancelled upstream).",
+            registry=r,
+        )
+        self.prefill_capture = Gauge(
+            "eldr_gateway_prefill_capture",
+            "1 while the prefill instance's capture plugin says it captures; 0 while its "
+            "requests are routed load-only (capture off, failed, or silent).",
+            ["instance"],
+            registry=r,
+        )
+        self.capture_fallbacks = Counter(
+            "eldr_gateway_capture_fallbacks_total",
+            "Requests routed load-only at once because their prefill could not be captured "
+            "(capture_off, capture_failed, no_capture_status, capture_stale).",
+            ["reason"],
+            registry=r,
+        )
+        self.refused_bodies = Counter(
+            "eldr_gateway_refused_bodies_total",
+            "Client requests refused for their body: too_large (413), timeout (408, not sent "
+            "within gateway_body_timeout_s), invalid (400: not a JSON object, nested too "
+            "deeply, a prompt over the limits, a field of the wrong type).",
+            ["reason"],
+            registry=r,
+        )
+        for reason in ("too_large", "timeout", "invalid"):
+            self.refused_bodies.labels(reason)
+        self.capture_status = Counter(
+            "eldr_gateway_capture_status_total",
+            "Capture statuses received (ok; other_instance: not one of ours). One whose "
+            "worker id is not its subject's token is refused by the bus "
+            '(eldr_bus_messages_rejected_total{family="capture",reason="identity_mismatch"}).',
+            ["outcome"],
+            registry=r,
+        )

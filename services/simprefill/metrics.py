@@ -1,0 +1,40 @@
+"""The simulated prefill's Prometheus metrics: each replay round's outcomes."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from eldr.sim.traffic import ReplaySummary, TraceReplayer
+
+LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0)
+
+
+class SimPrefillMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "eldr_simprefill_requests_total",
+            "Replayed requests by outcome (decided, recovered, lost, error).",
+            ["outcome"],
+            registry=registry,
+        )
+        self.latency = Histogram(
+            "eldr_simprefill_decision_latency_seconds",
+            "PrefillDone publish -> Decision on the reply inbox.",
+            buckets=LATENCY_BUCKETS_S,
+            registry=registry,
+        )
+        self.blocks = Counter(
+            "eldr_simprefill_blocks_published_total",
+            "Block summaries published (each distinct block once).",
+            registry=registry,
+        )
+
+    def observe(self, replayer: TraceReplayer, summary: ReplaySummary) -> None:
+        for record in replayer.records:
+            if record.decision_latency_s is not None:
+                self.latency.observe(record.decision_latency_s)
+        self.requests.labels("decided").inc(summary.decided - summary.recovered)
+        self.requests.labels("recovered").inc(summary.recovered)
+        self.requests.labels("lost").inc(summary.lost)
+        self.requests.labels("error").inc(summary.errors - summary.lost)
+        self.blocks.inc(summary.blocks_published)
