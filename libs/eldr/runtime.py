@@ -10,6 +10,10 @@ through an AsyncExitStack), close the HTTP server.
 
 Readiness is explicit: a service calls `ctx.set_ready()` when it can do its job (the
 signature service, for instance, only after replaying the block stream).
+
+Background work goes through `ctx.spawn` (a long-running task) and `ctx.every` (a periodic
+tick): both are cancelled and awaited at shutdown, a crash is logged (and makes the service
+not ready), a failing tick is logged and the schedule goes on.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge
@@ -35,6 +39,24 @@ from eldr.settings import CommonSettings
 log = logging.getLogger(__name__)
 
 S = TypeVar("S", bound=CommonSettings)
+
+
+@dataclass
+class Background:
+    """A task started by `ServiceContext.spawn` or `.every`."""
+
+    name: str
+    task: asyncio.Task[None]
+
+    async def stop(self) -> None:
+        """Cancel the task and wait until it has ended (idempotent; its failure, if any,
+        was logged when it happened)."""
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+
+    async def wait(self) -> None:
+        """Wait until the work ends by itself (e.g. after asking it to stop)."""
+        await asyncio.gather(self.task, return_exceptions=True)
 
 
 @dataclass
@@ -66,6 +88,64 @@ class ServiceContext(Generic[S]):
                 await callback()
             except Exception:
                 log.exception("%s: a stopping callback failed; stopping anyway", self.name)
+
+    def spawn(self, name: str, work: Callable[[], Coroutine[Any, Any, None]]) -> Background:
+        """Run `work()` in the background until it returns or the service closes: then it
+        is cancelled and awaited with the other cleanups (after the bus has drained), or
+        earlier by `Background.stop()`. If it fails, the failure is logged and the service
+        is marked not ready: it can no longer do its job."""
+        background = Background(name, asyncio.create_task(work(), name=f"{self.name} {name}"))
+        background.task.add_done_callback(lambda task: self._background_ended(name, task))
+        self.stack.push_async_callback(background.stop)
+        return background
+
+    def every(
+        self,
+        name: str,
+        interval_s: float,
+        tick: Callable[[], Awaitable[None]],
+        *,
+        first_after_s: float = 0.0,
+        until: Literal["stop", "close"],
+    ) -> Background:
+        """Call `tick()` every `interval_s` (a fixed rate: a slow tick delays the next one
+        but the schedule does not drift; ticks late by more than a period are skipped), the
+        first after `first_after_s`. `until="stop"`: no tick after the stop signal (the
+        router's expiry, the trainer's refit schedule); `"close"`: ticks go on while the
+        bus drains (the gateway's health probes; the adapter's reports, which it stops
+        itself). A tick that raises is logged and the next one comes as planned."""
+
+        async def run() -> None:
+            next_s = time.monotonic() + first_after_s
+            while True:
+                delay_s = next_s - time.monotonic()
+                if until == "stop":
+                    if self.stopping.is_set():
+                        return
+                    if delay_s > 0:
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(self.stopping.wait(), timeout=delay_s)
+                        if self.stopping.is_set():
+                            return
+                elif delay_s > 0:
+                    await asyncio.sleep(delay_s)
+                try:
+                    await tick()
+                except Exception:
+                    log.exception(
+                        "%s: %s failed; the next one is due in %g s", self.name, name, interval_s
+                    )
+                next_s = max(next_s + interval_s, time.monotonic())
+
+        return self.spawn(name, run)
+
+    def _background_ended(self, name: str, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            log.error("%s: background task %s failed: %r", self.name, name, exc, exc_info=exc)
+            self.set_ready(False)
 
     def set_ready(self, ready: bool = True) -> None:
         if ready:

@@ -17,8 +17,6 @@ in use and capacity, and the ids of the requests admitted since the previous rep
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -130,14 +128,6 @@ class DecodeAdapter:
         self.last = load
         await self.publish(self.report(load))
 
-    async def loop(self) -> None:
-        interval = self.settings.adapter_interval_s
-        next_s = time.monotonic()
-        while True:
-            await self.tick()
-            next_s = max(next_s + interval, time.monotonic())
-            await asyncio.sleep(next_s - time.monotonic())
-
     async def drain(self) -> None:
         if self.last is not None:
             await self.publish(self.report(self.last, draining=True))
@@ -148,12 +138,12 @@ async def setup(ctx: ServiceContext[DecodeAdapterSettings]) -> None:
     ctx.stack.push_async_callback(session.close)
     adapter = DecodeAdapter(ctx, session)
     await ctx.bus.subscribe(ctx.bus.subjects.decisions_all, Decision, adapter.on_decision)
-    task = asyncio.create_task(adapter.loop(), name="decode-adapter")
+    reports = ctx.every(
+        "decode-adapter", ctx.settings.adapter_interval_s, adapter.tick, until="close"
+    )
 
     async def stop() -> None:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await reports.stop()  # no regular report after the draining one
         await adapter.drain()
 
     ctx.on_stopping(stop)

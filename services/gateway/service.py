@@ -28,7 +28,6 @@ instance answer their `/health`; `/metrics` is Prometheus.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
 import logging
@@ -547,11 +546,6 @@ class Gateway:
 
     # --- upstream health ------------------------------------------------------------------
 
-    async def probe_loop(self) -> None:
-        while True:
-            await self.probe_once()
-            await asyncio.sleep(self.settings.gateway_health_interval_s)
-
     async def probe_once(self) -> None:
         async def probe(role: str, name: str, url: str) -> None:
             try:
@@ -650,14 +644,10 @@ async def setup(ctx: ServiceContext[GatewaySettings]) -> None:
             identity=IDENTITY[CaptureStatus],
         )
     await gateway.probe_once()
-    probe = asyncio.create_task(gateway.probe_loop(), name="upstream-probe")
-
-    async def stop_probe() -> None:
-        probe.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await probe
-
-    ctx.stack.push_async_callback(stop_probe)
+    interval_s = s.gateway_health_interval_s
+    ctx.every(
+        "upstream-probe", interval_s, gateway.probe_once, first_after_s=interval_s, until="close"
+    )
     ctx.add_health_check("upstreams", gateway.upstreams_ready)
     runner = web.AppRunner(build_app(gateway), access_log=None)
     await runner.setup()

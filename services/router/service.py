@@ -271,34 +271,36 @@ class RouterService:
                 partition.k,
             )
 
-    async def expire_loop(self) -> None:
-        period = min(0.25, self.settings.stale_after_s / 4)
-        while not self.ctx.stopping.is_set():
-            now = time.monotonic()
-            removed = self.table.expire(now)
-            activity = self.core.activity
-            for wid in removed:
-                log.warning("decode worker %s went stale and left the load table", wid)
-                gone = activity.remove_worker(wid)
-                self.metrics.activity_evictions.labels("worker_gone").inc(gone)
-            expired = activity.expire(now)
-            if expired:
-                self.metrics.activity_evictions.labels("ttl").inc(expired)
-            for wid in activity.per_worker():
-                self._bound_activity(wid)
-            if activity.refused_shape > self._refused_shape:
-                self.metrics.rejected_inputs.labels("activity_shape").inc(
-                    activity.refused_shape - self._refused_shape
-                )
-                self._refused_shape = activity.refused_shape
-            if activity.evicted_capacity > self._evicted_capacity:
-                self.metrics.activity_evictions.labels("capacity").inc(
-                    activity.evicted_capacity - self._evicted_capacity
-                )
-                self._evicted_capacity = activity.evicted_capacity
-            self.metrics.live_workers.set(len(self.table))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.ctx.stopping.wait(), timeout=period)
+    @property
+    def expire_period_s(self) -> float:
+        return min(0.25, self.settings.stale_after_s / 4)
+
+    async def expire(self) -> None:
+        """Drop stale workers and expired activity, count what was evicted (every
+        `expire_period_s`)."""
+        now = time.monotonic()
+        removed = self.table.expire(now)
+        activity = self.core.activity
+        for wid in removed:
+            log.warning("decode worker %s went stale and left the load table", wid)
+            gone = activity.remove_worker(wid)
+            self.metrics.activity_evictions.labels("worker_gone").inc(gone)
+        expired = activity.expire(now)
+        if expired:
+            self.metrics.activity_evictions.labels("ttl").inc(expired)
+        for wid in activity.per_worker():
+            self._bound_activity(wid)
+        if activity.refused_shape > self._refused_shape:
+            self.metrics.rejected_inputs.labels("activity_shape").inc(
+                activity.refused_shape - self._refused_shape
+            )
+            self._refused_shape = activity.refused_shape
+        if activity.evicted_capacity > self._evicted_capacity:
+            self.metrics.activity_evictions.labels("capacity").inc(
+                activity.evicted_capacity - self._evicted_capacity
+            )
+            self._evicted_capacity = activity.evicted_capacity
+        self.metrics.live_workers.set(len(self.table))
 
     async def on_control(self, msg: RouterControl) -> RouterControlReply:
         """Switch policy parameters (fields left None keep their value; all None = query)."""
@@ -581,18 +583,8 @@ async def setup(ctx: ServiceContext[RouterSettings]) -> None:
         svc.on_finished,
         identity=IDENTITY[RequestFinished],
     )
-    tasks = [
-        asyncio.create_task(svc.partition_loader(), name="partition-loader"),
-        asyncio.create_task(svc.expire_loop(), name="expire-loop"),
-    ]
-
-    async def stop_tasks() -> None:
-        svc._partition_wakeup.set()
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-    ctx.stack.push_async_callback(stop_tasks)
+    ctx.spawn("partition-loader", svc.partition_loader)
+    ctx.every("expire", svc.expire_period_s, svc.expire, until="stop")
     replay = await bus.replay(
         topo.stream_name(PARTITIONS),
         subjects.partition_active,

@@ -9,7 +9,6 @@ those in flight get their decision and job, then disconnect.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 import numpy as np
@@ -97,20 +96,13 @@ async def setup(ctx: ServiceContext[SimPrefillSettings]) -> None:
     replayer = TraceReplayer(ctx.bus, traces, replay_config(settings))
     await replayer.start()
     metrics = SimPrefillMetrics(ctx.registry)
-    task = asyncio.create_task(replay_forever(replayer, settings, metrics), name="simprefill")
-
-    def report_crash(done: asyncio.Task[None]) -> None:
-        if not done.cancelled() and done.exception() is not None:
-            log.error("simprefill replay stopped: %r", done.exception())
-            ctx.set_ready(False)
-
-    task.add_done_callback(report_crash)
+    # A crash is logged and makes the service not ready (ServiceContext.spawn).
+    replay = ctx.spawn("replay", lambda: replay_forever(replayer, settings, metrics))
     ctx.set_ready()
 
     async def drain() -> None:
         replayer.request_stop()
-        with contextlib.suppress(Exception, asyncio.CancelledError):
-            await task  # a crash was logged by report_crash
+        await replay.wait()  # the requests in flight get their decision and job
         await replayer.close()
 
     ctx.on_stopping(drain)

@@ -23,7 +23,6 @@ object store bucket `{ns}-partitions` as `v{version}` and announced on
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
@@ -125,17 +124,10 @@ class TrainerService:
 
     async def housekeeping(self) -> None:
         """Every TICK_S: age the window, refresh gauges, and refit when one is due."""
-        stopping = self.ctx.stopping
-        self.trainer.restart_schedule()
-        while not stopping.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stopping.wait(), timeout=TICK_S)
-            if stopping.is_set():
-                return
-            due = self.trainer.due()
-            if due is not None:
-                trigger, reason = due
-                await self.trainer.refit(reason, None, trigger=trigger)
+        due = self.trainer.due()
+        if due is not None:
+            trigger, reason = due
+            await self.trainer.refit(reason, None, trigger=trigger)
 
 
 async def setup(ctx: ServiceContext[TrainerSettings]) -> None:
@@ -196,13 +188,8 @@ async def setup(ctx: ServiceContext[TrainerSettings]) -> None:
         len(trainer.workers(time.time())),
     )
     await trainer.reconcile_announcement()
-    task = asyncio.create_task(svc.housekeeping(), name="trainer-housekeeping")
-
-    async def stop_task() -> None:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-
-    ctx.stack.push_async_callback(stop_task)
+    trainer.restart_schedule()
+    ctx.every("housekeeping", TICK_S, svc.housekeeping, first_after_s=TICK_S, until="stop")
 
     async def cancel_fit() -> None:
         # A fit under way stops at its next checkpoint, so the drain does not wait for it.

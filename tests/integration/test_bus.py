@@ -147,8 +147,10 @@ async def test_commit_once_keeps_the_first_record(bus: Bus, topology: Topology) 
     stream, subject = topology.stream_name(DECISIONS), bus.subjects.decision("req-once")
     first = await bus.commit_once(stream, subject, decision("req-once", "d0"))
     second = await bus.commit_once(stream, subject, decision("req-once", "d1"))
-    assert first.first and first.record.worker_id == "d0"
-    assert not second.first and second.record.worker_id == "d0"
+    assert first.first
+    assert first.record.worker_id == "d0"
+    assert not second.first
+    assert second.record.worker_id == "d0"
     assert (await bus.stream_state(stream)).messages == 1
 
 

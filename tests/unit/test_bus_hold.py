@@ -10,21 +10,23 @@ import pytest
 from eldr.bus import Delivery, hold_while
 
 
-class Unavailable(Exception):
+class UnavailableError(Exception):
     pass
 
 
 class Attempts:
-    """Fails with `Unavailable` until `ready` is set; counts the tries."""
+    """Fails with `UnavailableError` until `ready` is set; counts the tries."""
 
     def __init__(self) -> None:
         self.ready = False
         self.tries = 0
+        self.tried = asyncio.Event()
 
     def __call__(self) -> str:
         self.tries += 1
+        self.tried.set()
         if not self.ready:
-            raise Unavailable("not yet")
+            raise UnavailableError("not yet")
         return "done"
 
 
@@ -41,7 +43,7 @@ async def test_an_attempt_that_succeeds_at_once_is_not_held() -> None:
     attempts.ready = True
     result = await hold_while(
         attempts,
-        Unavailable,
+        UnavailableError,
         delivery=delivery(),
         wake=asyncio.Event(),
         hold_s=5.0,
@@ -56,7 +58,7 @@ async def test_a_wake_up_retries_the_attempt() -> None:
     held = asyncio.create_task(
         hold_while(
             attempts,
-            Unavailable,
+            UnavailableError,
             delivery=delivery(),
             wake=wake,
             hold_s=30.0,
@@ -64,8 +66,7 @@ async def test_a_wake_up_retries_the_attempt() -> None:
             stopping=asyncio.Event(),
         )
     )
-    while attempts.tries == 0:
-        await asyncio.sleep(0)
+    await attempts.tried.wait()
     attempts.ready = True
     wake.set()
     assert await asyncio.wait_for(held, timeout=5.0) == "done"
@@ -75,10 +76,10 @@ async def test_a_wake_up_retries_the_attempt() -> None:
 async def test_after_hold_s_the_last_failure_is_raised() -> None:
     attempts = Attempts()
     started = time.monotonic()
-    with pytest.raises(Unavailable, match="not yet"):
+    with pytest.raises(UnavailableError, match="not yet"):
         await hold_while(
             attempts,
-            Unavailable,
+            UnavailableError,
             delivery=delivery(),
             wake=asyncio.Event(),
             hold_s=0.2,
@@ -91,10 +92,10 @@ async def test_after_hold_s_the_last_failure_is_raised() -> None:
 async def test_a_stopping_service_gives_up_at_once() -> None:
     stopping = asyncio.Event()
     stopping.set()
-    with pytest.raises(Unavailable):
+    with pytest.raises(UnavailableError):
         await hold_while(
             Attempts(),
-            Unavailable,
+            UnavailableError,
             delivery=delivery(),
             wake=asyncio.Event(),
             hold_s=30.0,
@@ -107,7 +108,7 @@ async def test_a_passed_deadline_ends_the_hold_with_none() -> None:
     attempts = Attempts()
     result = await hold_while(
         attempts,
-        Unavailable,
+        UnavailableError,
         delivery=delivery(),
         wake=asyncio.Event(),
         hold_s=30.0,
@@ -121,10 +122,10 @@ async def test_a_passed_deadline_ends_the_hold_with_none() -> None:
 
 async def test_a_long_hold_keeps_telling_jetstream_it_is_in_progress() -> None:
     progress: list[float] = []
-    with pytest.raises(Unavailable):
+    with pytest.raises(UnavailableError):
         await hold_while(
             Attempts(),
-            Unavailable,
+            UnavailableError,
             delivery=delivery(progress),
             wake=asyncio.Event(),
             hold_s=0.5,
