@@ -89,7 +89,7 @@ class RouterService:
         self.core = RouterCore(
             PolicySpec(name=s.policy, tau=s.tau, load_measure=s.load_measure),
             self.table,
-            np.random.default_rng([s.seed, zlib.crc32(s.instance_id.encode())]),
+            np.random.default_rng([s.router_seed, zlib.crc32(s.instance_id.encode())]),
             max_scores=s.max_scores,
             activity_ttl_s=s.activity_ttl_s,
             activity_slack=s.activity_slack,

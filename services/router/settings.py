@@ -104,7 +104,11 @@ class RouterSettings(CommonSettings, GeometrySettings):
     index_method: Literal["auto", "exact", "hnsw"] = Field(
         default="auto", description="Centroid search: hnswlib, exact, or auto by centroid count."
     )
-    seed: int = Field(default=0, description="Seed of the policy's tie-break randomness.")
+    router_seed: int = Field(
+        default=0,
+        description="Seed of the policy's tie-break randomness (with the instance id; each "
+        "decision records its own seed). Not the trainer's fit seed (trainer_seed).",
+    )
 
     @model_validator(mode="after")
     def _decisions_fit(self) -> Self:
