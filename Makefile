@@ -16,8 +16,12 @@ venv: ## create/refresh .venv with the project and its dev tools
 demo: venv ## set up and run the demo (local stack, synthetic workload, round-robin vs ELDR)
 	$(BIN)/eldr demo
 
+.PHONY: tools
+tools: ## fetch the deploy checks' tools when missing (promtool into .venv/bin, from Debian's package)
+	@scripts/bootstrap-tools
+
 .PHONY: test
-test: venv ## set up and run lint, type-check and the whole test suite incl. real vLLM (what CI runs)
+test: venv tools ## set up and run lint, type-check and the whole test suite incl. real vLLM (what CI runs)
 	$(MAKE) --no-print-directory lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-vllm

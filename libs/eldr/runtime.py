@@ -176,6 +176,16 @@ class ServiceContext(Generic[S]):
         return all(detail.values()), detail
 
 
+def service_info(registry: CollectorRegistry, name: str) -> None:
+    """`eldr_service_info{service=name} 1`, on every service's registry."""
+    Gauge(
+        "eldr_service_info",
+        "Constant 1, labelled with the service name.",
+        ["service"],
+        registry=registry,
+    ).labels(service=name).set(1)
+
+
 def configure_logging(level: str) -> None:
     logging.basicConfig(
         level=getattr(logging, level.upper(), logging.INFO),
@@ -224,13 +234,7 @@ async def run_service(
     """
     stopping = stop or asyncio.Event()
     registry = CollectorRegistry()
-    info = Gauge(
-        "eldr_service_info",
-        "Constant 1, labelled with the service name.",
-        ["service"],
-        registry=registry,
-    )
-    info.labels(service=name).set(1)
+    service_info(registry, name)
     bus = await Bus.connect(
         settings, f"eldr-{name}-{settings.instance_id}", registry=registry, no_echo=no_echo
     )

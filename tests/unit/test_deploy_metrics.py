@@ -1,31 +1,32 @@
-"""Dashboards, alert rules and prometheus-adapter rules reference only metrics the services
-export (read statically from the code) or, named explicitly, the NATS exporter's and
-Prometheus's own series. The e2e test compares the same references with a live scrape."""
+"""Dashboards, alert rules and prometheus-adapter rules reference only series the services
+write (each service's registry as its shipped code builds it) or, named explicitly, the NATS
+exporter's and Prometheus's own series. The e2e test compares the same references with a
+live scrape."""
 
 from __future__ import annotations
 
 import json
 import re
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import generate_latest
 
 from eldr.dev.metricrefs import (
     NATS_EXPORTER_METRICS,
     PROMETHEUS_SERIES,
-    MetricDef,
     adapter_metric_names,
     dashboard_metric_names,
-    exported_metrics,
-    exported_series,
     grafana_query_metric_names,
     promql_metric_names,
     rules,
     rules_metric_names,
+    series_names,
 )
+from support.service_metrics import SERVICES, service_registries
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "deploy" / "grafana" / "eldr-overview.json"
@@ -34,13 +35,13 @@ ADAPTER = REPO / "deploy" / "prometheus" / "adapter-values.yaml"
 
 
 @pytest.fixture(scope="module")
-def definitions() -> dict[str, MetricDef]:
-    return exported_metrics()
+def registries() -> dict[str, CollectorRegistry]:
+    return service_registries()
 
 
 @pytest.fixture(scope="module")
-def exported(definitions: dict[str, MetricDef]) -> frozenset[str]:
-    return frozenset(s for m in definitions.values() for s in m.series())
+def exported(registries: dict[str, CollectorRegistry]) -> frozenset[str]:
+    return frozenset().union(*(series_names(r) for r in registries.values()))
 
 
 def unknown(names: set[str], exported: frozenset[str]) -> list[str]:
@@ -107,17 +108,33 @@ def test_dashboard_panels_have_unique_ids_and_datasource_variables() -> None:
             assert target["datasource"]["uid"] == "${datasource}"
 
 
-# --- the static scan and the series it expects ----------------------------------------------
+# --- the services' registries and the series they write ------------------------------------
 
 
-def test_the_scan_finds_metrics_of_every_kind(definitions: dict[str, MetricDef]) -> None:
-    found = definitions
-    assert found["eldr_router_decisions_total"].kind == "counter"
-    assert found["eldr_router_decision_latency_seconds"].kind == "histogram"
-    assert found["eldr_signature_cache_bytes"].kind == "gauge"
-    assert found["eldr_signature_cache_hits"].created is False  # a CounterMetricFamily
-    assert found["eldr_service_info"].kind == "gauge"
-    assert found["eldr_router_worker_requests"].kind == "gauge"
+def test_every_service_has_its_registry() -> None:
+    assert set(SERVICES) == {e.name for e in entry_points(group="eldr.services")}
+
+
+def test_the_registries_hold_metrics_of_every_kind(
+    registries: dict[str, CollectorRegistry],
+) -> None:
+    kinds = {f.name: f.type for r in registries.values() for f in r.collect()}
+    assert kinds["eldr_router_decisions"] == "counter"
+    assert kinds["eldr_router_decision_latency_seconds"] == "histogram"
+    assert kinds["eldr_signature_cache_bytes"] == "gauge"
+    assert kinds["eldr_signature_cache_hits"] == "counter"  # a CounterMetricFamily
+    assert kinds["eldr_service_info"] == "gauge"
+    assert kinds["eldr_router_worker_requests"] == "gauge"
+
+
+def test_every_service_writes_the_bus_and_info_series(
+    registries: dict[str, CollectorRegistry],
+) -> None:
+    for name, registry in registries.items():
+        written = series_names(registry)
+        assert "eldr_service_info" in written, name
+        assert "eldr_bus_messages_received_total" in written, name
+        assert "eldr_bus_handler_duration_seconds_bucket" in written, name
 
 
 class _Families:
@@ -125,36 +142,34 @@ class _Families:
         return [
             CounterMetricFamily("fam_hits", "h", value=1),
             GaugeMetricFamily("fam_bytes", "b", value=1),
+            GaugeMetricFamily("fam_by_worker", "w", labels=["worker"]),  # no worker yet
         ]
 
 
-def test_series_expansion_matches_prometheus_client(tmp_path: Path) -> None:
-    registry = CollectorRegistry()
-    Counter("c_things_total", "c", registry=registry).inc()
-    Gauge("g_level", "g", registry=registry).set(1)
-    Histogram("h_seconds", "h", registry=registry).observe(0.1)
-    registry.register(_Families())  # type: ignore[arg-type]
+def test_series_names_are_what_prometheus_client_writes() -> None:
+    def build() -> tuple[CollectorRegistry, list[Counter | Gauge | Histogram]]:
+        registry = CollectorRegistry()
+        labelled = [
+            Counter("c_things_total", "c", ["kind"], registry=registry),
+            Gauge("g_level", "g", ["kind"], registry=registry),
+            Histogram("h_seconds", "h", ["kind"], registry=registry),
+        ]
+        Info("i_build", "i", registry=registry).info({"version": "1"})
+        registry.register(_Families())  # type: ignore[arg-type]
+        return registry, labelled
+
+    registry, _ = build()
+    names = series_names(registry)  # the labelled metrics have no child yet
+    filled, labelled = build()
+    for metric in labelled:
+        metric.labels("x")
     written = {
         line.split("{")[0].split(" ")[0]
-        for line in generate_latest(registry).decode().splitlines()
+        for line in generate_latest(filled).decode().splitlines()
         if line and not line.startswith("#")
     }
-    source = tmp_path / "m.py"
-    source.write_text(
-        "Counter('c_things_total', 'c')\nGauge('g_level', 'g')\nHistogram('h_seconds', 'h')\n"
-        "CounterMetricFamily('fam_hits', 'h')\nGaugeMetricFamily('fam_bytes', 'b')\n"
-    )
-    assert exported_series([tmp_path]) == written
-
-
-def test_names_that_are_not_literals_are_not_guessed(tmp_path: Path) -> None:
-    (tmp_path / "m.py").write_text("Counter(NAME, 'c')\nGauge(f'x_{y}', 'g')\n")
-    assert exported_metrics([tmp_path]) == {}
-
-
-def test_metric_def_series() -> None:
-    assert MetricDef("a_total", "counter", True, REPO).series() == ("a_total", "a_created")
-    assert MetricDef("b", "histogram", False, REPO).series() == ("b_bucket", "b_sum", "b_count")
+    assert names == written | {"fam_by_worker"}
+    assert {"c_things_total", "c_things_created", "h_seconds_bucket", "i_build_info"} <= names
 
 
 # --- PromQL ---------------------------------------------------------------------------------
@@ -181,9 +196,11 @@ def test_promql_metric_names(expr: str, names: set[str]) -> None:
     assert promql_metric_names(expr) == names
 
 
-def test_unbalanced_expressions_are_refused() -> None:
-    with pytest.raises(ValueError, match="unbalanced"):
+def test_expressions_that_do_not_parse_are_refused() -> None:
+    with pytest.raises(ValueError, match="braces"):
         promql_metric_names('a{x="y"')
+    with pytest.raises(ValueError, match="brackets"):
+        promql_metric_names("rate(a[$window])")  # not a Grafana range variable
 
 
 def test_grafana_variable_queries() -> None:
