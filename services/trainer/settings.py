@@ -56,18 +56,12 @@ class TrainerSettings(CommonSettings, StoreSettings, GeometrySettings):
         description="Model to fit partitions for; default: the model with the most "
         "requests in the window (Decision.model).",
     )
-    trainer_seed: int = Field(
+    seed: int = Field(
         default=0,
         ge=0,
-        description="Seed of every fit (stored with the version). Not the routers' "
-        "tie-break seed (router_seed).",
+        description="Seed of every fit (stored with the version). Only the trainer's: the "
+        "routers' tie-break seed is router_seed.",
     )
-
-    @property
-    def seed(self) -> int:
-        """`TrainerConfig.seed` (`TrainerConfig.from_settings` reads fields by name)."""
-        return self.trainer_seed
-
     transform: Literal["idf", "raw"] = Field(
         default="idf", description="Signature transform: counts x IDF, or raw counts."
     )

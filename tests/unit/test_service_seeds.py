@@ -12,14 +12,13 @@ from eldr_services.trainer.settings import TrainerSettings
 
 def test_each_service_reads_its_own_seed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ELDR_ROUTER_SEED", "7")
-    monkeypatch.setenv("ELDR_TRAINER_SEED", "11")
+    monkeypatch.setenv("ELDR_SEED", "11")
     assert RouterSettings().router_seed == 7
     trainer = TrainerSettings()
-    assert trainer.trainer_seed == 11
+    assert trainer.seed == 11
     assert TrainerConfig.from_settings(trainer).seed == 11
 
 
-def test_the_shared_name_sets_neither(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_fit_seed_leaves_the_routers_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ELDR_SEED", "5")
     assert RouterSettings().router_seed == 0
-    assert TrainerSettings().trainer_seed == 0
