@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from eldr.bus import BusError, ObjectRef, PublishAck
+from eldr.core.training.refit import ungated_because
 from eldr.core.workload.synthetic import SyntheticSpec, generate
 from eldr.core.workload.trace import expert_counts
 from eldr.store import migrate
@@ -247,9 +248,11 @@ def feed(rig: Rig, n: int, *, start: int = 0, seed: int = 0) -> None:
 
 def test_the_config_has_the_settings_names_and_defaults() -> None:
     settings_fields = TrainerSettings.model_fields
+    renamed = {"seed": "trainer_seed"}  # the settings' `seed` property reads trainer_seed
     for f in dataclasses.fields(TrainerConfig):
-        assert f.name in settings_fields, f.name
-        assert f.default == settings_fields[f.name].default, f.name
+        name = renamed.get(f.name, f.name)
+        assert name in settings_fields, f.name
+        assert f.default == settings_fields[name].default, f.name
 
 
 def test_the_config_is_read_from_settings() -> None:
@@ -416,13 +419,13 @@ async def test_which_refits_skip_the_shadow_gate(rig: Rig) -> None:
     await rig.trainer.refit("first", None, trigger="request")
     active = rig.trainer.active
     assert active is not None
-    ungated = rig.trainer.ungated_because
-    assert ungated(None, WORKERS, "schedule") == "no active version"
-    assert ungated(active, ("dw0", "dw1", "dw9"), "schedule") == (
+    config = rig.trainer.config
+    assert ungated_because(None, WORKERS, "schedule", config) == "no active version"
+    assert ungated_because(active, ("dw0", "dw1", "dw9"), "schedule", config) == (
         "the workers differ from version 1's (joined: dw9; left: dw2)"
     )
-    assert ungated(active, WORKERS, "request") == "an operator asked for it"
-    assert ungated(active, WORKERS, "schedule") == ""
+    assert ungated_because(active, WORKERS, "request", config) == "an operator asked for it"
+    assert ungated_because(active, WORKERS, "schedule", config) == ""
 
 
 # --- schedule ----------------------------------------------------------------------------

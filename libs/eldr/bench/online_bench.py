@@ -1,13 +1,13 @@
 """`eldr bench --scenario drift|churn`: online refit and elastic decode pools, simulated.
 
 Both scenarios replay recorded expert traces through the decode-cluster simulator
-(`eldr.sim.cluster`) with the trainer's own pieces: partitions come from
-`eldr.core.partition.partition.fit_partition` (calibration and balanced K-means, aligned to the
-previous version), refits are triggered and gated by `eldr.core.routing.online` (drift monitor,
-churn detection, shadow evaluation on held-out recent requests). `OnlineRefitter` plays
-the trainer inside simulated time: it sees each routed request and each finished one
-(its decode profile), keeps a rolling window, and swaps the routers' partition when a
-refit is promoted.
+(`eldr.sim.cluster`). `OnlineRefitter` runs the trainer's own refit inside simulated time:
+the trainer's state and refit plan (`eldr.core.training.refit`: window, triggers, drift
+cut, hold-out, fit, shadow gate, verdict) under the shipped trainer's configuration
+(`TrainerConfig`) with this scenario's knobs. Each routed request is a decision into its
+window (a request id per arrival, as routers give every request its own), each finished
+one its decode profile; the live workers are the simulator's; a promoted version reaches
+the simulated routers `fit_delay_s` later. It holds no refit logic of its own.
 
 - **drift**: the workload mix changes mid-run: the first half of the arrivals are one
   subject's requests, the second half another's. The partition starts fitted on the first
@@ -30,7 +30,6 @@ import json
 import logging
 import math
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,18 +43,11 @@ from eldr.bench.routing_bench import (
 )
 from eldr.core.costmodel import CostProfile
 from eldr.core.partition.partition import Partition, fit_partition
-from eldr.core.routing.online import (
-    DriftBaseline,
-    DriftMonitor,
-    DriftThresholds,
-    partition_scores,
-    per_token_activation,
-    prefill_activation,
-    promotion_verdict,
-    refit_trigger,
-    shadow_evaluate,
-)
+from eldr.core.routing.online import DriftThresholds, partition_scores
 from eldr.core.routing.policies import DEFAULT_POLICY, PAPER_POLICY, PolicySpec, make_policy
+from eldr.core.training.config import TrainerConfig
+from eldr.core.training.refit import RefitSkipped, TrainerState, plan_refit
+from eldr.core.training.trainwindow import SparseRow
 from eldr.core.workload.sizing import rates_for_batch_targets
 from eldr.core.workload.trace import TraceSet, counts_matrix
 from eldr.data.profiles import DEFAULT_PROFILE_FOR_TRACES, load_catalog
@@ -92,16 +84,17 @@ class OnlineConfig:
     window_s: float = 4.0
     """Rolling window: requests routed within this many simulated seconds."""
     min_samples: int = 16
-    """Distinct requests a refit needs (and at least one per worker)."""
+    """Requests a refit needs in its window (and at least one per worker)."""
     fit_delay_s: float = 0.5
     """Simulated time from a refit's start to the routers using its result."""
     min_gain: float = 0.0
     """A candidate must lower the modelled union by more than this fraction."""
     holdout_fraction: float = 0.25
-    """Share of the window's distinct requests held out of the fit (by a hash of the
-    request): the shadow gate and the drift baseline are measured on their arrivals."""
+    """Share of the window's requests held out of a gated fit (by a hash of the request
+    id): the shadow gate and the drift baseline are measured on them."""
     min_holdout: int = 32
-    """Fewer held-out arrivals with a decode profile: promote without a gate (say so)."""
+    """Held-out requests the shadow gate needs (with decode profiles, else with prefill
+    counts as a proxy); with fewer the candidate is rejected."""
     churn_settle_s: float = 0.25
     drift_min_gap_s: float = 1.0
     drift_fit_s: float = 1.0
@@ -112,6 +105,28 @@ class OnlineConfig:
     drift_from: str | None = None
     drift_to: str | None = None
     """Subjects (labels) before and after the shift; default: the two largest."""
+
+    def trainer_config(self) -> TrainerConfig:
+        """The shipped trainer's configuration with this scenario's knobs (in simulated
+        seconds); every other setting at the trainer's default."""
+        return TrainerConfig(
+            window_max_age_s=self.window_s,
+            min_samples=self.min_samples,
+            refit_interval_s=self.refit_interval_s,
+            seed=self.seed,
+            shadow_min_gain=self.min_gain,
+            shadow_holdout_fraction=self.holdout_fraction,
+            shadow_min_requests=self.min_holdout,
+            shadow_batch=self.batch_target,
+            shadow_tau=self.tau,
+            drift_window=self.drift_window,
+            drift_min_samples=self.drift.min_samples,
+            drift_max_similarity_drop=self.drift.max_similarity_drop,
+            drift_max_skew_rise=self.drift.max_skew_rise,
+            drift_min_gap_s=self.drift_min_gap_s,
+            drift_fit_max_age_s=self.drift_fit_s,
+            churn_settle_s=self.churn_settle_s,
+        )
 
 
 @dataclass
@@ -137,7 +152,7 @@ class RefitEvent:
 
 
 class OnlineRefitter:
-    """The trainer inside simulated time (a `SimController`)."""
+    """The trainer's refit inside simulated time (a `SimController`; module docstring)."""
 
     def __init__(
         self,
@@ -146,168 +161,65 @@ class OnlineRefitter:
         config: OnlineConfig,
         num_slots: int,
     ) -> None:
-        self.prepared = prepared
         self.config = config
+        self.trainer = config.trainer_config()
         self.num_slots = num_slots
-        traces = prepared.traces
-        self.geometry = traces.geometry
+        geometry = prepared.traces.geometry
         assert prepared.prefill_counts is not None
         self.prefill = prepared.prefill_counts
-        self.decode = counts_matrix(traces.traces, self.geometry, "decode")
-        self.active = initial
-        self.version = initial.version
-        self.monitor = self._monitor(initial)
-        self.window: deque[tuple[float, int]] = deque()  # (time routed, request index)
-        self.profiled: set[int] = set()
-        self.last_fit_s: float | None = 0.0
-        self.drift_cut_s = -math.inf
-        """Traffic before this is what drifted away: no later fit uses it."""
-        self.live: tuple[str, ...] = ()
-        self.live_since_s = 0.0
+        shape = (geometry.num_moe_layers, geometry.num_experts)
+        self.prefill_rows = [SparseRow.from_dense(r.reshape(shape)) for r in self.prefill]
+        decode = counts_matrix(prepared.traces.traces, geometry, "decode")
+        self.decode_rows = [SparseRow.from_dense(r.reshape(shape)) for r in decode]
+        self.state = TrainerState(self.trainer, mono_s=0.0)
+        self.state.set_active(initial)
+        self.state.restart_schedule(0.0)
         self.events: list[RefitEvent] = []
 
     @property
     def period_s(self) -> float:
         return self.config.tick_s
 
-    def _monitor(self, partition: Partition) -> DriftMonitor:
-        # A version fitted without held-out requests gets its baseline from the first
-        # requests it serves (`DriftBaseline.from_metrics` says None for it).
-        return DriftMonitor(
-            partition,
-            DriftBaseline.from_metrics(partition.metrics),
-            window=self.config.drift_window,
-            thresholds=self.config.drift,
-        )
-
     def on_tick(self, obs: SimObservation) -> ScoreUpdate | None:
-        cfg = self.config
-        for _, req, t, _ in obs.arrivals:
-            self.window.append((t, req))
-        if obs.arrivals:
-            self.monitor.observe_many(self.prefill[[req for _, req, _, _ in obs.arrivals]])
-        self.profiled.update(req for _, req, _, _ in obs.finished)
-        while self.window and self.window[0][0] < obs.now_s - cfg.window_s:
-            self.window.popleft()
-        live = tuple(worker_name(i) for i in obs.live)
-        if set(live) != set(self.live):
-            self.live = live
-            self.live_since_s = obs.now_s
-        trigger = refit_trigger(
-            now_s=obs.now_s,
-            last_fit_s=self.last_fit_s,
-            interval_s=cfg.refit_interval_s,
-            live=live,
-            active_workers=self.active.workers,
-            live_since_s=self.live_since_s,
-            churn_settle_s=cfg.churn_settle_s,
-            drift=self.monitor.status(),
-            min_gap_s=cfg.drift_min_gap_s,
-        )
-        if trigger is None:
+        state = self.state
+        for arrival, req, t, slot in obs.arrivals:
+            state.add_decision(f"a{arrival}", MODEL, worker_name(slot), self.prefill_rows[req], t)
+        for arrival, req, t, _ in obs.finished:
+            state.add_profile(f"a{arrival}", self.decode_rows[req], t)
+        live = tuple(sorted(worker_name(i) for i in obs.live))
+        due = state.due(now_s=obs.now_s, mono_s=obs.now_s, live=live, drift=state.drift_status())
+        if due is None:
             return None
-        return self._refit(obs.now_s, trigger, live)
-
-    def _refit(self, now_s: float, trigger: str, live: tuple[str, ...]) -> ScoreUpdate | None:
-        cfg = self.config
-        self.last_fit_s = now_s
-        span_s = cfg.drift_fit_s if trigger == "drift" else cfg.window_s
-        since_s = max(now_s - span_s, self.drift_cut_s)
-        rows = np.array([req for t, req in self.window if t >= since_s], dtype=np.int64)
-        # The replay samples a small pool with replacement: a request (trace) recurs, so
-        # requests, not arrivals, are split into fit and held-out sets, and the fit sees
-        # each once (a trainer's window holds each request id once).
-        distinct = np.unique(rows)
-        held = _holdout(distinct, cfg.holdout_fraction, cfg.seed)
-        train = np.setdiff1d(distinct, held)
-        need = max(cfg.min_samples, len(live))
-        if train.size < need:
-            self.events.append(
-                RefitEvent(
-                    now_s,
-                    trigger,
-                    False,
-                    None,
-                    f"skipped: {train.size} requests to fit on, a refit needs {need}",
-                )
-            )
+        trigger, _ = due
+        state.restart_schedule(obs.now_s)
+        try:
+            selection = state.select(now_s=obs.now_s, live=live, k=None, trigger=trigger)
+        except RefitSkipped as exc:
+            self.events.append(RefitEvent(obs.now_s, trigger, False, None, f"skipped: {exc}"))
             return None
-        profiled = np.array(sorted(self.profiled), dtype=np.int64)
-        decode = self.decode[train].copy()
-        decode[~np.isin(train, profiled)] = 0.0
-        eval_rows = rows[np.isin(rows, held) & np.isin(rows, profiled)]
-        candidate, _ = fit_partition(
-            self.prefill[train],
-            decode,
-            self.geometry,
-            sorted(live),
-            version=self.version + 1,
-            model=MODEL,
-            seed=cfg.seed,
-            previous=self.active,
-            holdout_prefill=self.prefill[rows[np.isin(rows, held)]] if held.size else None,
+        result = plan_refit(
+            selection, state.active, config=self.trainer, in_flight={}, tau=self.trainer.shadow_tau
         )
-        forced = ""
-        if set(live) != set(self.active.workers):
-            forced = "the live workers differ from the active version's"
-        shadow = None
-        held_rows = rows[np.isin(rows, held)]
-        L = self.geometry.num_moe_layers
-        if eval_rows.size >= cfg.min_holdout:
-            activation = per_token_activation(self.decode[eval_rows], L, self.geometry.top_k)
-            source = "decode profiles"
-        else:
-            # Too few held-out requests have finished: their prompts stand in for them.
-            eval_rows = held_rows
-            activation = prefill_activation(self.prefill[eval_rows], L, self.geometry.top_k)
-            source = "prefill proxy, too few decode profiles"
-        missing = f"{eval_rows.size} held-out requests, the shadow gate needs {cfg.min_holdout}"
-        if eval_rows.size >= cfg.min_holdout:
-            shadow = shadow_evaluate(
-                self.active,
-                candidate,
-                self.prefill[eval_rows],
-                activation,
-                sorted(live),
-                batch=cfg.batch_target,
-                num_moe_layers=L,
-                tau=cfg.tau,
-                source=source,
-            )
-        verdict = promotion_verdict(shadow, cfg.min_gain, forced=forced, missing=missing)
+        state.apply(result)
         self.events.append(
             RefitEvent(
-                now_s,
+                obs.now_s,
                 trigger,
-                verdict.promote,
-                candidate.version if verdict.promote else None,
-                verdict.reason,
-                int(train.size),
-                int(eval_rows.size),
+                result.promote,
+                result.partition.version if result.promote else None,
+                result.verdict.reason,
+                result.report.n_train,
+                result.n_held_out if result.shadow is None else result.shadow.n_eval,
             )
         )
-        if not verdict.promote:
+        if not result.promote:
             return None
-        self.version = candidate.version
-        self.active = candidate
-        self.monitor = self._monitor(candidate)
-        if trigger == "drift":
-            self.drift_cut_s = since_s
+        names = [worker_name(i) for i in range(self.num_slots)]
         return ScoreUpdate(
-            scores=partition_scores(
-                candidate, self.prefill, [worker_name(i) for i in range(self.num_slots)]
-            ),
-            version=candidate.version,
-            delay_s=cfg.fit_delay_s,
+            scores=partition_scores(result.partition, self.prefill, names),
+            version=result.partition.version,
+            delay_s=self.config.fit_delay_s,
         )
-
-
-def _holdout(requests: np.ndarray, fraction: float, seed: int) -> np.ndarray:
-    """A deterministic share of `requests` (by a hash of the index, not by position)."""
-    if fraction <= 0 or requests.size == 0:
-        return np.empty(0, dtype=np.int64)
-    keys = (requests.astype(np.uint64) * np.uint64(2654435761) + np.uint64(seed)) % np.uint64(1000)
-    return requests[keys < np.uint64(round(1000 * fraction))]
 
 
 # --- shared ---------------------------------------------------------------------------

@@ -8,20 +8,17 @@ collaborators come in as arguments: the database (`TrainerDatabase`), the announ
 (`PartitionAnnouncer`, on a `PartitionBus`), the observer and the clock; tests give an
 SQLite file, a fake bus and a fake clock.
 
-A refit fits a partition with `eldr.core.partition.partition.fit_partition` in a worker thread,
-aligned to the active version so that traffic moves as little as possible. Triggers
-(`eldr.core.routing.online.refit_trigger`): a `RefitRequest` ("request"), every `refit_interval_s`
-("schedule"), the live decode workers differing from the active version's once the set
-has settled ("churn": a worker joined or left), or the drift monitor seeing recent requests
-sit worse against the active version than its baseline ("drift";
-`eldr.core.routing.online.DriftMonitor`).
-
-Scheduled and drift refits are gated (`shadow_gate`): a share of the window's requests
-(by a hash of the request id) is held out of the fit, and both the active version and
-the candidate route those requests in a shadow evaluation modelled on the cost model
-(`eldr.core.routing.online.shadow_evaluate`); the candidate is promoted only if its modelled
-expert union is lower. Churn refits, the first version and operator requests are promoted
-without a gate (the reason says so). Then:
+What a refit decides is the pure refit plan (`eldr.core.training.refit`), which the online
+benchmark runs too: `TrainerState` holds the window, the active version, its drift monitor,
+the schedule and the drift cut, and says when a refit is due (a `RefitRequest`:
+"request"; every `refit_interval_s`: "schedule"; the live decode workers differing from
+the active version's once the set has settled: "churn"; the drift monitor: "drift");
+`TrainerState.select` picks the requests and `plan_refit` fits the candidate (aligned to
+the active version, in a worker thread, with cooperative checkpoints for `fit_timeout_s`
+and for stopping), shadow-gates it (scheduled and drift refits: held-out requests routed
+under both partitions, promoted only if the modelled expert union is lower; churn refits,
+the first version and operator requests ungated) and gives the verdict. This module keeps
+the I/O around it:
 
 1. a promoted candidate is stored as a new, immutable version and activated, in one
    transaction under the partition write lock (`eldr.partitions.writer`): the database
@@ -42,45 +39,33 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import math
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
-import numpy as np
 from sqlalchemy import Engine, make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from eldr.bus import BusError, ObjectRef, PublishAck
-from eldr.core.partition.partition import FitReport, Partition, fit_partition
-from eldr.core.routing.online import (
-    DriftBaseline,
-    DriftMonitor,
-    DriftStatus,
-    DriftThresholds,
-    ShadowResult,
-    Verdict,
-    holdout_mask,
-    per_token_activation,
-    prefill_activation,
-    promotion_verdict,
-    refit_trigger,
-    shadow_evaluate,
+from eldr.core.partition.partition import FitReport, Partition
+from eldr.core.routing.online import DriftBaseline, DriftMonitor, DriftStatus, ShadowResult
+from eldr.core.training.config import TrainerConfig as TrainerConfig  # the service's import
+from eldr.core.training.refit import (
+    FitAborted,
+    FitFailed,
+    RefitResult,
+    RefitSkipped,
+    TrainerState,
+    TrainingSelection,
+    plan_refit,
+    shadow_batch,
 )
-from eldr.core.training.trainwindow import (
-    LiveWorkers,
-    SparseRow,
-    TrainingSet,
-    TrainingWindow,
-    WindowSnapshot,
-    pick_workers,
-)
-from eldr.core.workload.trace import ModelGeometry
+from eldr.core.training.trainwindow import LiveWorkers, SparseRow, TrainingWindow
 from eldr.partitions.codec import partition_from_record
 from eldr.partitions.writer import (
     StoredVersion,
@@ -105,8 +90,6 @@ from eldr.wire import (
 
 log = logging.getLogger(__name__)
 
-MIN_SHADOW_BATCH = 8.0
-"""Smallest per-worker batch a shadow evaluation models (see `Trainer.shadow_batch`)."""
 TRIGGERS = ("request", "schedule", "drift", "churn")
 OUTCOMES = ("ok", "skipped", "error", "rejected")
 ERROR_STAGES = ("database", "lock", "fit", "publish", "internal")
@@ -114,63 +97,10 @@ ERROR_STAGES = ("database", "lock", "fit", "publish", "internal")
 M = TypeVar("M", bound=Message)
 
 
-class RefitSkipped(Exception):  # noqa: N818 - an outcome, not an error
-    """A refit's preconditions do not hold; the message says which."""
-
-
-class FitAborted(Exception):  # noqa: N818 - a reason to stop, raised by the fit's checkpoint
-    """The fit passed its time limit or was cancelled (the service is stopping)."""
-
-
 class RefitFailed(Exception):  # noqa: N818 - carries the failing stage for the metric
     def __init__(self, stage: str, message: str) -> None:
         super().__init__(message)
         self.stage = stage
-
-
-@dataclass(frozen=True)
-class TrainerConfig:
-    """What a `Trainer` is tuned by: the fields of the same names of the trainer service's
-    settings (their descriptions are there); the defaults are the settings' defaults."""
-
-    model: str | None = None
-    trainer_workers: tuple[str, ...] = ()
-    worker_ttl_s: float = 10.0
-    window_max_samples: int = 20_000
-    window_max_age_s: float = 1800.0
-    min_samples: int = 256
-    refit_interval_s: float = 60.0
-    seed: int = 0
-    transform: Literal["idf", "raw"] = "idf"
-    layer_selection: Literal["greedy", "all"] = "greedy"
-    min_profiled: int = 64
-    reduce_dim: int = 128
-    write_lock_timeout_s: float = 30.0
-    shadow_gate: bool = True
-    shadow_gate_requests: bool = False
-    shadow_min_gain: float = 0.0
-    shadow_holdout_fraction: float = 0.2
-    shadow_min_requests: int = 32
-    shadow_batch: float = 0.0
-    shadow_tau: float = 0.1
-    drift_detection: bool = True
-    drift_window: int = 512
-    drift_min_samples: int = 128
-    drift_max_similarity_drop: float = 0.05
-    drift_max_skew_rise: float = 0.2
-    drift_min_gap_s: float = 30.0
-    drift_fit_max_age_s: float = 300.0
-    churn_refit: bool = True
-    churn_settle_s: float = 5.0
-    max_workers: int = 1024
-    fit_timeout_s: float = 300.0
-
-    @classmethod
-    def from_settings(cls, settings: object) -> TrainerConfig:
-        """The config from any object with attributes of these names (the service's
-        settings)."""
-        values = {f.name: getattr(settings, f.name) for f in dataclasses.fields(cls)}
-        return cls(**values)
 
 
 class Clock(Protocol):
@@ -407,16 +337,10 @@ class PartitionAnnouncer:
 
 @dataclass(frozen=True)
 class FitOutcome:
+    """A refit's plan and the version it was stored as."""
+
     stored: StoredVersion
-    report: FitReport
-    fit_s: float
-    workers: tuple[str, ...]
-    n_window: int
-    n_with_profile: int
-    verdict: Verdict
-    shadow: ShadowResult | None
-    partition: Partition
-    previous_version: int | None
+    result: RefitResult
 
 
 class Trainer:
@@ -435,24 +359,29 @@ class Trainer:
         self.announcer = announcer
         self.observer = observer
         self.clock = clock
-        self.window = TrainingWindow(config.window_max_samples, config.window_max_age_s)
+        self.state = TrainerState(config, mono_s=clock.monotonic())
+        """The window, active version, drift monitor, schedule and drift cut."""
         self.live = LiveWorkers(config.worker_ttl_s, max_workers=config.max_workers)
         self._refit_lock = asyncio.Lock()
         self._refit_running: tuple[str, float] | None = None
         """(trigger, monotonic start) of the refit under way, if any."""
         self._cancel = threading.Event()
         """Set to abandon the fit under way (the service is stopping)."""
-        self._added_at_last_fit: int | None = None
-        self.active: Partition | None = None
-        """The active version as this trainer last stored or found it (drift, churn)."""
-        self.monitor: DriftMonitor | None = None
         self.in_flight: dict[str, int] = {}
         """Per decode worker, running + waiting requests of its last load report."""
-        self._last_fit_mono: float | None = None
-        self._drift_cut_s = -math.inf
-        """Requests before this (Unix s) are what drifted away: no later fit uses them."""
-        self._live: tuple[str, ...] = ()
-        self._live_since_mono = clock.monotonic()
+
+    @property
+    def window(self) -> TrainingWindow:
+        return self.state.window
+
+    @property
+    def active(self) -> Partition | None:
+        """The active version as this trainer last stored or found it (drift, churn)."""
+        return self.state.active
+
+    @property
+    def monitor(self) -> DriftMonitor | None:
+        return self.state.monitor
 
     # --- inputs ----------------------------------------------------------------------------
 
@@ -465,22 +394,19 @@ class Trainer:
         elif self.config.model is not None and msg.model != self.config.model:
             outcome = "other_model"
         else:
-            outcome = self.window.add_decision(
+            outcome = self.state.add_decision(
                 msg.request_id,
                 msg.model,
                 msg.worker_id,
                 _sparse_row(msg.signature),
                 ts_s or self.clock.time(),
             )
-            monitor = self.monitor
-            if outcome == "added" and monitor is not None and msg.model == monitor.model:
-                monitor.observe(msg.signature.to_dense(np.float32))
         self.observer.took_input("decision", outcome)
         self._report_window()
 
     def add_profile(self, msg: DecodeProfile, ts_s: float | None) -> None:
         """Join a decode profile to its request in the window."""
-        outcome = self.window.add_profile(
+        outcome = self.state.add_profile(
             msg.request_id, _sparse_row(msg.counts), ts_s or self.clock.time()
         )
         self.observer.took_input("profile", outcome)
@@ -492,7 +418,7 @@ class Trainer:
         if msg.reason == "moved":
             self.observer.took_input("finished", "moved")
             return
-        outcome = self.window.finish(msg.request_id, ts_s or self.clock.time())
+        outcome = self.state.finish(msg.request_id, ts_s or self.clock.time())
         self.observer.took_input("finished", outcome)
         if outcome == "finished":
             self._report_window()
@@ -524,58 +450,27 @@ class Trainer:
 
     def restart_schedule(self) -> None:
         """Count the schedule from now (the service calls it when its loop starts)."""
-        self._last_fit_mono = self.clock.monotonic()
+        self.state.restart_schedule(self.clock.monotonic())
 
     def due(self) -> tuple[str, str] | None:
         """Age the window, then (trigger, reason) if a refit is due now, else None."""
         now_s = self.clock.time()
-        self.window.expire(now_s)
-        self._report_window()
         live = self.workers(now_s)
-        self.observer.saw_live_workers(len(live))
-        trigger = self.trigger(live)
-        if trigger is None:
-            return None
-        reason = {"schedule": "scheduled", "churn": "worker set changed"}.get(trigger, trigger)
-        if trigger == "drift" and self.monitor is not None:
-            reason = f"drift: {self.monitor.status().reason}"
-        if trigger == "churn":
-            active = () if self.active is None else self.active.workers
-            reason = (
-                f"worker set changed: joined "
-                f"{','.join(sorted(set(live) - set(active))) or '-'}, left "
-                f"{','.join(sorted(set(active) - set(live))) or '-'}"
-            )
-        return trigger, reason
-
-    def trigger(self, live: tuple[str, ...]) -> str | None:
-        """Why to refit now (`eldr.core.routing.online.refit_trigger`), or None."""
-        c = self.config
-        mono = self.clock.monotonic()
-        if live != self._live:
-            self._live = live
-            self._live_since_mono = mono
-        active = self.active
-        drift = self.drift_status()
-        return refit_trigger(
-            now_s=mono,
-            last_fit_s=self._last_fit_mono,
-            interval_s=c.refit_interval_s,
-            live=live,
-            active_workers=None if active is None or not c.churn_refit else active.workers,
-            live_since_s=self._live_since_mono,
-            churn_settle_s=c.churn_settle_s,
-            drift=drift,
-            min_gap_s=c.drift_min_gap_s,
+        due = self.state.due(
+            now_s=now_s, mono_s=self.clock.monotonic(), live=live, drift=self.drift_status()
         )
+        self._report_window()
+        self.observer.saw_live_workers(len(live))
+        return due
 
     def drift_status(self) -> DriftStatus | None:
         """The monitor's verdict now (None without an active version or monitoring)."""
-        if self.monitor is None:
+        monitor = self.monitor
+        status = self.state.drift_status()
+        if monitor is None or status is None:
             return None
-        status = self.monitor.status()
-        if self.monitor.baseline is not None:
-            self.observer.drift_baseline_set(self.monitor.baseline)
+        if monitor.baseline is not None:
+            self.observer.drift_baseline_set(monitor.baseline)
         if status.samples and status.best_similarity == status.best_similarity:
             self.observer.drift_measured(status.best_similarity, status.occupancy_skew)
         self.observer.drift_verdict(status.drifted)
@@ -638,191 +533,104 @@ class Trainer:
             return reply
 
     async def _refit(self, reason: str, k: int | None, trigger: str) -> RefitReply:
-        self._last_fit_mono = self.clock.monotonic()
+        self.state.restart_schedule(self.clock.monotonic())
         now_s = self.clock.time()
         self.window.expire(now_s)
         self._report_window()
         await self.announcer.announce_pending()
         live = self.workers(now_s)
         self.observer.saw_live_workers(len(live))
-        if trigger == "schedule" and self._added_at_last_fit == self.window.added_total:
-            raise RefitSkipped("no new requests in the window since the last fit")
-        snapshot = self.window.snapshot(self.config.model)
-        self._check_preconditions(snapshot, live, k)
-        assert snapshot is not None
-        since_s = self._drift_cut_s
-        if trigger == "drift":
-            since_s = max(since_s, now_s - self.config.drift_fit_max_age_s)
-        if since_s > -math.inf:
-            snapshot = self._recent(snapshot, since_s, live)
-        added_total = self.window.added_total
+        selection = self.state.select(now_s=now_s, live=live, k=k, trigger=trigger)
         checkpoint = self._checkpoint(time.monotonic() + self.config.fit_timeout_s)
         outcome = await asyncio.to_thread(
-            self._fit_and_store, snapshot, live, k, reason, trigger, checkpoint
+            self._fit_and_store, selection, reason, dict(self.in_flight), checkpoint
         )
-        self._added_at_last_fit = added_total
+        result = outcome.result
+        baseline = self.state.apply(result)
+        if baseline is not None:
+            self.observer.drift_baseline_set(baseline)
         self._observe_fit(outcome)
-        report = outcome.report
+        report = result.report
+        model = selection.snapshot.model
         moved = "n/a" if report.moved_share is None else f"{100 * report.moved_share:.1f}%"
         unprofiled = self.window.finished_without_profile
         fitted = (
-            f"{report.n_train} requests ({outcome.n_with_profile} with decode profiles"
+            f"{report.n_train} requests ({result.n_with_profile} with decode profiles"
             + (
                 f"; {unprofiled} finished without one: is the capture plugin on the decode "
                 "instances (ELDR_VLLM_ROLE=decode)?"
-                if unprofiled and outcome.n_with_profile < self.config.min_profiled
+                if unprofiled and result.n_with_profile < self.config.min_profiled
                 else ""
             )
             + "), "
-            f"{len(outcome.workers)} workers, {report.kept_layers}/{report.of_layers} layers, "
-            f"moved {moved}, fit {outcome.fit_s:.3g} s"
+            f"{len(result.workers)} workers, {report.kept_layers}/{report.of_layers} layers, "
+            f"moved {moved}, fit {result.fit_s:.3g} s"
         )
-        if not outcome.verdict.promote:
-            kept = outcome.previous_version
+        if not result.promote:
             message = (
-                f"version {outcome.stored.version} ({snapshot.model}) {outcome.verdict.reason}; "
-                f"version {kept} stays active ({fitted})"
+                f"version {outcome.stored.version} ({model}) {result.verdict.reason}; "
+                f"version {result.previous_version} stays active ({fitted})"
             )
             log.warning("refit (%s, %s): %s", trigger, reason, message)
             return RefitReply(version=None, status="rejected", message=message)
-        self.set_active(outcome.partition)
-        if trigger == "drift":
-            self._drift_cut_s = since_s
         await self.announcer.announce(outcome.stored)
-        message = (
-            f"version {outcome.stored.version} ({snapshot.model}): {fitted}; "
-            f"{outcome.verdict.reason}"
-        )
+        message = f"version {outcome.stored.version} ({model}): {fitted}; {result.verdict.reason}"
         log.info("refit (%s, %s): %s", trigger, reason, message)
         return RefitReply(version=outcome.stored.version, status="ok", message=message)
 
-    def _recent(
-        self, snapshot: WindowSnapshot, since_s: float, live: tuple[str, ...]
-    ) -> WindowSnapshot:
-        """The snapshot's requests newer than `since_s`, if there are enough for a fit."""
-        recent = tuple(x for x in snapshot.samples if x.ts_s >= since_s)
-        if len(recent) < max(self.config.min_samples, len(live)):
-            return snapshot
-        return WindowSnapshot(snapshot.model, snapshot.shape, recent)
-
     def set_active(self, partition: Partition) -> None:
         """Track the active version: the drift monitor measures against it."""
-        self.active = partition
-        c = self.config
-        if not c.drift_detection:
-            self.monitor = None
-            return
-        baseline = DriftBaseline.from_metrics(partition.metrics)
-        self.monitor = DriftMonitor(
-            partition,
-            baseline,
-            window=max(c.drift_window, c.drift_min_samples),
-            thresholds=DriftThresholds(
-                max_similarity_drop=c.drift_max_similarity_drop,
-                max_skew_rise=c.drift_max_skew_rise,
-                min_samples=c.drift_min_samples,
-            ),
-        )
+        baseline = self.state.set_active(partition)
         if baseline is not None:
             self.observer.drift_baseline_set(baseline)
 
-    def _check_preconditions(
-        self, snapshot: WindowSnapshot | None, live: tuple[str, ...], k: int | None
-    ) -> None:
-        c = self.config
-        n = 0 if snapshot is None else len(snapshot)
-        if not live:
-            raise RefitSkipped(
-                f"no live decode workers (none reported within {c.worker_ttl_s:g} s)"
-            )
-        if k is not None and k > len(live):
-            raise RefitSkipped(f"k={k} but only {len(live)} live decode worker(s)")
-        needed = max(c.min_samples, k or len(live))
-        if n < needed:
-            what = "" if c.model is None else f" of model {c.model}"
-            raise RefitSkipped(f"{n} request(s){what} in the window, a refit needs {needed}")
-
     def _fit_and_store(
         self,
-        snapshot: WindowSnapshot,
-        live: tuple[str, ...],
-        k: int | None,
+        selection: TrainingSelection,
         reason: str,
-        trigger: str,
+        in_flight: dict[str, int],
         checkpoint: Callable[[], None] | None = None,
     ) -> FitOutcome:
-        """Runs in a worker thread: read the active version, fit, gate, store. The fit
-        calls `checkpoint` often; what it raises (`FitAborted`: the time limit, or the
-        service stopping) ends the refit at stage "fit" before anything is stored."""
+        """Runs in a worker thread: read the active version, run the refit plan on it
+        (`plan_refit`), store the candidate as active or rejected. What `checkpoint` raises
+        (`FitAborted`: the time limit, or the service stopping) ends the refit at stage
+        "fit" before anything is stored."""
+        model = selection.snapshot.model
         sessions = self.database.sessions()
         try:
-            previous = load_active(sessions, snapshot.model)
+            previous = load_active(sessions, model)
         except SQLAlchemyError as exc:
             raise RefitFailed("database", self.database.describe_error(exc)) from exc
         except ValueError as exc:  # a corrupt stored version: fit without alignment
-            log.error(
-                "active version of %s unreadable, not aligning to it: %s", snapshot.model, exc
-            )
+            log.error("active version of %s unreadable, not aligning to it: %s", model, exc)
             previous = None
-        workers = pick_workers(live, k, () if previous is None else previous.workers)
-        training = snapshot.training_set()
-        L, E = snapshot.shape
-        geometry = ModelGeometry(num_layers=L, moe_layers=tuple(range(L)), num_experts=E, top_k=1)
         c = self.config
-        forced = self.ungated_because(previous, workers, trigger)
-        held = (
-            np.zeros(training.n, dtype=bool)
-            if forced
-            else holdout_mask(training.request_ids, c.shadow_holdout_fraction)
-        )
-        train = ~held
-        started = time.perf_counter()
         try:
-            partition, report = fit_partition(
-                training.prefill[train],
-                None if training.decode is None else training.decode[train],
-                geometry,
-                workers,
-                version=1 if previous is None else previous.version + 1,
-                model=snapshot.model,
-                seed=c.seed,
-                previous=previous,
-                transform=c.transform,
-                layer_selection=c.layer_selection,
-                reduce_dim=c.reduce_dim or None,
-                min_profiled=c.min_profiled,
-                holdout_prefill=training.prefill[held] if held.any() else None,
+            result = plan_refit(
+                selection,
+                previous,
+                config=c,
+                in_flight=in_flight,
+                tau=c.shadow_tau,
                 checkpoint=checkpoint,
+                clock=time.perf_counter,
             )
-        except ValueError as exc:
-            raise RefitFailed("fit", f"fit failed: {exc}") from exc
-        except FitAborted as exc:
-            raise RefitFailed(
-                "fit",
-                f"fit abandoned after {time.perf_counter() - started:.1f} s "
-                f"({training.n} requests, {len(workers)} workers): {exc}",
-            ) from exc
-        fit_s = time.perf_counter() - started
-        self.observer.fitted(fit_s)
-        for note in report.notes:
+        except FitFailed as exc:
+            raise RefitFailed("fit", str(exc)) from exc
+        self.observer.fitted(result.fit_s)
+        for note in result.report.notes:
             log.info("fit note: %s", note)
-        shadow: ShadowResult | None = None
-        missing = ""
-        if not forced:
-            assert previous is not None
-            self._check(checkpoint, started)
-            shadow, missing = self._shadow(previous, partition, training, held, workers, L)
-        self._check(checkpoint, started)  # nothing is stored after the time limit
-        verdict = promotion_verdict(shadow, c.shadow_min_gain, forced=forced, missing=missing)
-        note = f"{reason}: {verdict.reason}"[:500]
-        write = write_active_version if verdict.promote else write_rejected_version
+        if result.shadow is not None:
+            self.observer.shadow_evaluated(result.shadow)
+        note = f"{reason}: {result.verdict.reason}"[:500]
+        write = write_active_version if result.promote else write_rejected_version
         try:
             stored = write(
                 sessions,
-                partition,
+                result.partition,
                 seed=c.seed,
-                n_train=report.n_train,
-                parent_version=None if previous is None else previous.version,
+                n_train=result.report.n_train,
+                parent_version=result.previous_version,
                 note=note,
                 lock_timeout_s=c.write_lock_timeout_s,
             )
@@ -830,101 +638,16 @@ class Trainer:
             raise RefitFailed("lock", str(exc)) from exc
         except SQLAlchemyError as exc:
             raise RefitFailed("database", self.database.describe_error(exc)) from exc
-        return FitOutcome(
-            stored,
-            report,
-            fit_s,
-            workers,
-            training.n,
-            training.n_with_profile,
-            verdict,
-            shadow,
-            partition,
-            None if previous is None else previous.version,
-        )
-
-    @staticmethod
-    def _check(checkpoint: Callable[[], None] | None, started: float) -> None:
-        if checkpoint is None:
-            return
-        try:
-            checkpoint()
-        except FitAborted as exc:
-            raise RefitFailed(
-                "fit", f"fit abandoned after {time.perf_counter() - started:.1f} s: {exc}"
-            ) from exc
-
-    def ungated_because(
-        self, previous: Partition | None, workers: tuple[str, ...], trigger: str
-    ) -> str:
-        """Why this refit is promoted without a shadow gate ("" when it is gated)."""
-        c = self.config
-        if previous is None:
-            return "no active version"
-        if set(previous.workers) != set(workers):
-            joined = sorted(set(workers) - set(previous.workers))
-            left = sorted(set(previous.workers) - set(workers))
-            return (
-                f"the workers differ from version {previous.version}'s "
-                f"(joined: {','.join(joined) or '-'}; left: {','.join(left) or '-'})"
-            )
-        if not c.shadow_gate:
-            return "the shadow gate is off"
-        if trigger == "request" and not c.shadow_gate_requests:
-            return "an operator asked for it"
-        return ""
-
-    def _shadow(
-        self,
-        previous: Partition,
-        candidate: Partition,
-        training: TrainingSet,
-        held: np.ndarray,
-        workers: tuple[str, ...],
-        num_moe_layers: int,
-    ) -> tuple[ShadowResult | None, str]:
-        """Shadow-evaluate on the held-out requests, or say why it cannot."""
-        c = self.config
-        profiled = held & training.has_profile
-        if training.decode is not None and int(profiled.sum()) >= c.shadow_min_requests:
-            rows = profiled
-            activation = per_token_activation(training.decode[rows], num_moe_layers)
-            source = "decode profiles"
-        elif int(held.sum()) >= c.shadow_min_requests:
-            rows = held
-            activation = prefill_activation(training.prefill[rows], num_moe_layers)
-            source = f"prefill proxy: {int(profiled.sum())} with decode profiles"
-        else:
-            return None, (
-                f"{int(held.sum())} held-out request(s), a shadow evaluation needs "
-                f"{c.shadow_min_requests}"
-            )
-        result = shadow_evaluate(
-            previous,
-            candidate,
-            training.prefill[rows],
-            activation,
-            workers,
-            batch=self.shadow_batch(workers),
-            num_moe_layers=num_moe_layers,
-            tau=c.shadow_tau,
-            source=source,
-        )
-        self.observer.shadow_evaluated(result)
-        return result, ""
+        return FitOutcome(stored, result)
 
     def shadow_batch(self, workers: tuple[str, ...]) -> float:
-        """The per-worker batch to model: the setting, else the fleet's mean in-flight
-        requests (at least MIN_SHADOW_BATCH: a quiet fleet, or one whose load reports this
-        trainer does not read, would make every partition look alike)."""
-        if self.config.shadow_batch > 0:
-            return self.config.shadow_batch
-        loads = [self.in_flight.get(w, 0) for w in workers]
-        return max(MIN_SHADOW_BATCH, float(np.mean(loads)) if loads else 0.0)
+        """The per-worker batch a shadow evaluation models now (`shadow_batch`: the setting,
+        else the mean in flight by the load reports, at least MIN_SHADOW_BATCH)."""
+        return shadow_batch(self.config.shadow_batch, self.in_flight, workers)
 
     def _observe_fit(self, outcome: FitOutcome) -> None:
-        if outcome.verdict.promote:
-            self.observer.version_promoted(outcome.stored.version, outcome.report)
+        if outcome.result.promote:
+            self.observer.version_promoted(outcome.stored.version, outcome.result.report)
         else:
             self.observer.version_rejected(outcome.stored.version)
 
