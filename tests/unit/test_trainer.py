@@ -248,11 +248,9 @@ def feed(rig: Rig, n: int, *, start: int = 0, seed: int = 0) -> None:
 
 def test_the_config_has_the_settings_names_and_defaults() -> None:
     settings_fields = TrainerSettings.model_fields
-    renamed = {"seed": "trainer_seed"}  # the settings' `seed` property reads trainer_seed
     for f in dataclasses.fields(TrainerConfig):
-        name = renamed.get(f.name, f.name)
-        assert name in settings_fields, f.name
-        assert f.default == settings_fields[name].default, f.name
+        assert f.name in settings_fields, f.name
+        assert f.default == settings_fields[f.name].default, f.name
 
 
 def test_the_config_is_read_from_settings() -> None:
