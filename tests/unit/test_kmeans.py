@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from scipy.optimize import linear_sum_assignment
 
-from eldr.core.partition.assignment import linear_sum_assignment
 from eldr.core.partition.kmeans import (
     align_centroids,
     balanced_spherical_kmeans,

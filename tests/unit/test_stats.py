@@ -1,126 +1,60 @@
-"""Rank statistics: rankdata, spearman, pearson, percentile."""
+"""The calibration's two hand-written kernels (eldr.core.stats) against the libraries they
+stand in for: ranks are scipy's bit for bit, the greedy selection's Spearman is scipy's."""
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
+import scipy.stats
 from hypothesis import given
 from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
 
-from eldr.core.stats import pearson, percentile, rankdata, spearman
+from eldr.core.signature.signature import greedy_layer_mask
+from eldr.core.stats import dot, rank_unchecked
 
-ints = st.integers(min_value=-1000, max_value=1000)
-paired = st.integers(min_value=2, max_value=40).flatmap(
-    lambda n: st.tuples(
-        st.lists(ints, min_size=n, max_size=n), st.lists(ints, min_size=n, max_size=n)
+few_values = arrays(np.float64, st.integers(0, 80), elements=st.integers(-5, 5).map(float))
+any_values = arrays(np.float64, st.integers(0, 80), elements=st.floats(-1e9, 1e9, allow_nan=False))
+
+
+@given(st.one_of(few_values, any_values))
+def test_ranks_are_scipys_average_ranks_bit_for_bit(values: np.ndarray) -> None:
+    expected = scipy.stats.rankdata(values) if values.size else np.zeros(0)
+    assert np.array_equal(rank_unchecked(values), expected)
+
+
+def test_ties_share_their_average_rank() -> None:
+    assert rank_unchecked(np.array([3.0, 1.0, 2.0, 1.0])).tolist() == [4.0, 1.5, 3.0, 1.5]
+
+
+@given(arrays(np.float64, st.integers(0, 200), elements=st.floats(-1e3, 1e3)))
+def test_dot_is_the_dot_product(values: np.ndarray) -> None:
+    assert dot(values, values[::-1]) == pytest.approx(float(np.dot(values, values[::-1])))
+
+
+def _pair_cosine_distances(x: np.ndarray) -> np.ndarray:
+    i, j = np.triu_indices(x.shape[0], k=1)
+    norms = np.linalg.norm(x, axis=1)
+    return np.asarray(1.0 - np.sum(x[i] * x[j], axis=1) / (norms[i] * norms[j]))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_greedy_selections_spearman_is_scipys(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n, layers, experts = 14, 3, 5
+    topics = rng.integers(0, 3, n)
+    base = rng.random((3, layers * experts)) ** 3
+    prefill = (rng.poisson(base[topics] * 6) + 1).astype(np.float32)
+    decode = (rng.poisson(base[topics] * 6 + rng.random((n, layers * experts))) + 1).astype(
+        np.float32
     )
-)
-
-
-def test_rankdata_averages_ties() -> None:
-    assert rankdata([10, 20, 20, 30]).tolist() == [1.0, 2.5, 2.5, 4.0]
-
-
-def test_rankdata_unsorted_input() -> None:
-    assert rankdata([3.0, 1.0, 2.0, 1.0]).tolist() == [4.0, 1.5, 3.0, 1.5]
-
-
-def test_rankdata_empty() -> None:
-    assert rankdata([]).shape == (0,)
-
-
-def test_rankdata_rejects_2d() -> None:
-    with pytest.raises(ValueError, match="one-dimensional"):
-        rankdata([[1, 2], [3, 4]])
-
-
-@given(st.lists(ints, min_size=1, max_size=60))
-def test_rankdata_sums_to_triangular_number(xs: list[int]) -> None:
-    n = len(xs)
-    assert rankdata(xs).sum() == pytest.approx(n * (n + 1) / 2)
-
-
-@given(st.lists(ints, min_size=1, max_size=60), st.data())
-def test_rankdata_is_permutation_equivariant(xs: list[int], data: st.DataObject) -> None:
-    perm = np.array(data.draw(st.permutations(range(len(xs)))), dtype=np.int64)
-    x = np.array(xs)
-    assert np.array_equal(rankdata(x[perm]), rankdata(x)[perm])
-
-
-def test_pearson_perfect_linear() -> None:
-    assert pearson([1, 2, 3, 4], [3, 5, 7, 9]) == pytest.approx(1.0)
-    assert pearson([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
-
-
-def test_pearson_known_value() -> None:
-    # x = [1, 2, 3], y = [1, 3, 2]: cov = 0.5 (sum of products of deviations 1), r = 0.5.
-    assert pearson([1, 2, 3], [1, 3, 2]) == pytest.approx(0.5)
-
-
-def test_pearson_constant_is_nan() -> None:
-    assert math.isnan(pearson([1, 1, 1], [1, 2, 3]))
-
-
-def test_pearson_length_mismatch() -> None:
-    with pytest.raises(ValueError, match="same length"):
-        pearson([1, 2, 3], [1, 2])
-
-
-def test_pearson_rejects_nan() -> None:
-    with pytest.raises(ValueError, match="NaN"):
-        pearson([1.0, float("nan")], [1.0, 2.0])
-
-
-@given(paired)
-def test_spearman_in_unit_interval(ab: tuple[list[int], list[int]]) -> None:
-    r = spearman(*ab)
-    assert math.isnan(r) or -1.0 <= r <= 1.0
-
-
-@given(paired)
-def test_spearman_equals_pearson_of_ranks(ab: tuple[list[int], list[int]]) -> None:
-    a, b = ab
-    r = spearman(a, b)
-    expected = pearson(rankdata(a), rankdata(b))
-    assert (math.isnan(r) and math.isnan(expected)) or r == pytest.approx(expected)
-
-
-@given(paired)
-def test_spearman_invariant_to_monotone_transform(ab: tuple[list[int], list[int]]) -> None:
-    a, b = ab
-    x = np.array(a, dtype=np.float64)
-    # Strictly increasing and exact in float64 on this range, so ties are preserved.
-    transformed = x**3 + 5 * x + 7
-    r = spearman(a, b)
-    r2 = spearman(transformed, np.exp(np.array(b) / 1000.0))
-    assert (math.isnan(r) and math.isnan(r2)) or r2 == pytest.approx(r, abs=1e-12)
-
-
-def test_spearman_of_reversed_order_is_minus_one() -> None:
-    assert spearman([1, 2, 3, 4, 5], [50, 40, 30, 20, 10]) == pytest.approx(-1.0)
-
-
-@given(
-    st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=50),
-    st.floats(0.0, 100.0),
-)
-def test_percentile_matches_linear_interpolation(xs: list[float], q: float) -> None:
-    assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)), rel=1e-9, abs=1e-6)
-
-
-def test_percentile_sequence_returns_array() -> None:
-    result = percentile([1, 2, 3, 4, 5], [0, 50, 100])
-    assert isinstance(result, np.ndarray)
-    assert result.tolist() == [1.0, 3.0, 5.0]
-
-
-def test_percentile_empty_raises() -> None:
-    with pytest.raises(ValueError, match="empty"):
-        percentile([], 50)
-
-
-def test_percentile_out_of_range_q_raises() -> None:
-    with pytest.raises(ValueError, match=r"\[0, 100\]"):
-        percentile([1, 2], 101)
+    _, trace, n_pairs = greedy_layer_mask(
+        prefill, decode, layers, experts, rng=np.random.default_rng(0)
+    )
+    assert n_pairs == n * (n - 1) // 2  # every pair, in order: the same pairs as below
+    # The last step holds every layer: compare it with scipy on the whole signatures.
+    expected = scipy.stats.spearmanr(
+        _pair_cosine_distances(prefill.astype(np.float64)),
+        _pair_cosine_distances(decode.astype(np.float64)),
+    ).statistic
+    assert trace[-1].correlation == pytest.approx(float(expected), abs=1e-12)

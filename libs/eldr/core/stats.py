@@ -1,26 +1,15 @@
-"""Rank statistics and small numeric helpers shared by calibration, benchmarks and reports.
+"""The two numeric kernels the signature calibration runs in its inner loop.
 
-Correlations return NaN when either input has zero variance (a correlation is undefined
-there); callers that rank candidates treat NaN as "no information".
+Everything else statistical comes from numpy and scipy (`np.percentile`,
+`scipy.stats.spearmanr`, `scipy.optimize.linear_sum_assignment`). These two stay
+hand-written because the library calls are measurably slower where they run: the greedy
+layer selection (`eldr.core.signature.signature.greedy_layer_mask`) ranks a vector of up
+to 30,000 pair distances about 300 times per calibration.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
-import numpy.typing as npt
-
-ArrayLike = npt.ArrayLike
-
-
-def _as_1d(x: ArrayLike, name: str) -> np.ndarray:
-    arr = np.asarray(x, dtype=np.float64)
-    if arr.ndim != 1:
-        raise ValueError(f"{name} must be one-dimensional, got shape {arr.shape}")
-    if not np.all(np.isfinite(arr)):
-        raise ValueError(f"{name} contains NaN or infinite values")
-    return arr
 
 
 def dot(a: np.ndarray, b: np.ndarray) -> float:
@@ -33,13 +22,13 @@ def dot(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.einsum("i,i->", a, b))
 
 
-def rankdata(x: ArrayLike) -> np.ndarray:
-    """Ranks 1..n of a 1-D array; tied values share the average of their ranks (float64)."""
-    return rank_unchecked(_as_1d(x, "x"))
-
-
 def rank_unchecked(arr: np.ndarray) -> np.ndarray:
-    """`rankdata` without input validation, for hot loops over known-finite 1-D arrays."""
+    """Ranks 1..n of a finite 1-D float array; tied values share the average of their
+    ranks (float64): `scipy.stats.rankdata(arr)`, bit for bit (tests/unit/test_stats.py),
+    without its input checks and with an unstable sort. Measured on 30,000 values (2
+    cores): 1.9 ms against scipy's 2.5 ms (distinct values), 0.4 ms against 1.6 ms (many
+    ties); over a whole greedy layer selection of 30,000 pairs, 0.8-0.9 s here against
+    1.5-2.8 s with `scipy.stats.rankdata` and 3.0-3.3 s with `scipy.stats.spearmanr`."""
     n = arr.shape[0]
     ranks = np.empty(n, dtype=np.float64)
     if n == 0:
@@ -55,47 +44,3 @@ def rank_unchecked(arr: np.ndarray) -> np.ndarray:
     avg = (run_start + 1 + run_end) / 2.0
     ranks[order] = np.repeat(avg, run_end - run_start)
     return ranks
-
-
-def pearson(a: ArrayLike, b: ArrayLike) -> float:
-    """Pearson correlation of two equally long 1-D arrays; NaN if either is constant."""
-    x = _as_1d(a, "a")
-    y = _as_1d(b, "b")
-    if x.shape != y.shape:
-        raise ValueError(f"a and b must have the same length, got {x.shape[0]} and {y.shape[0]}")
-    if x.shape[0] < 2:
-        return float("nan")
-    xc = x - x.mean()
-    yc = y - y.mean()
-    denom = float(np.sqrt(dot(xc, xc) * dot(yc, yc)))
-    if denom == 0.0:
-        return float("nan")
-    # Rounding can push |r| a hair above 1; the true value cannot be.
-    return float(np.clip(dot(xc, yc) / denom, -1.0, 1.0))
-
-
-def spearman(a: ArrayLike, b: ArrayLike) -> float:
-    """Spearman rank correlation (Pearson of average ranks); NaN if either is constant."""
-    return pearson(rankdata(a), rankdata(b))
-
-
-def percentile(x: ArrayLike, q: float | Sequence[float]) -> float | np.ndarray:
-    """Percentile(s) q in [0, 100] of the finite values x, linear interpolation between ranks.
-
-    Returns a float for a scalar q, a float64 array for a sequence of q.
-    """
-    arr = _as_1d(np.ravel(np.asarray(x, dtype=np.float64)), "x")
-    if arr.shape[0] == 0:
-        raise ValueError("percentile of an empty array is undefined")
-    qs = np.asarray(q, dtype=np.float64)
-    if np.any(~np.isfinite(qs)) or np.any(qs < 0.0) or np.any(qs > 100.0):
-        raise ValueError(f"percentiles must lie in [0, 100], got {q!r}")
-    sorted_vals = np.sort(arr)
-    pos = qs / 100.0 * (arr.shape[0] - 1)
-    lo = np.floor(pos).astype(np.int64)
-    hi = np.minimum(lo + 1, arr.shape[0] - 1)
-    frac = pos - lo
-    result = sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * frac
-    if qs.ndim == 0:
-        return float(result)
-    return np.asarray(result, dtype=np.float64)

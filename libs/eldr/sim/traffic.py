@@ -45,7 +45,6 @@ from eldr.bus import Bus, BusError, BusTimeoutError, Delivery, NoRespondersError
 from eldr.bus import stream_name as make_stream_name
 from eldr.bus.topology import DECISIONS
 from eldr.core.signature.blocks import DEFAULT_BLOCK_SIZE, summarize_blocks, trace_token_ids
-from eldr.core.stats import percentile
 from eldr.core.workload.trace import EXPERT_ID_DTYPE, TraceSet
 from eldr.wire import (
     BlockSummaryBatch,
@@ -679,7 +678,7 @@ class TraceReplayer:
                 samples.append(e)
 
         def pct(q: float) -> float:
-            return float(percentile(latencies_ms, q)) if latencies_ms else math.nan
+            return float(np.percentile(latencies_ms, q)) if latencies_ms else math.nan
 
         return ReplaySummary(
             sent=sum(1 for r in records if r.sent),

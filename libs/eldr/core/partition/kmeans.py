@@ -36,8 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-
-from eldr.core.partition.assignment import linear_sum_assignment
+from scipy.optimize import linear_sum_assignment
 
 __all__ = [
     "KMeansResult",

@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+from scipy.optimize import linear_sum_assignment
 
-from eldr.core.partition.assignment import linear_sum_assignment
 from eldr.core.partition.index import CentroidIndex
 from eldr.core.partition.kmeans import balanced_spherical_kmeans
 from eldr.core.signature.signature import (
@@ -223,7 +223,15 @@ def assign_clusters_to_workers(
     known = prev_slot >= 0
     overlap = np.zeros((k, len(workers)), dtype=np.float64)
     np.add.at(overlap, (labels[known], prev_slot[known]), 1.0)
-    rows, cols = linear_sum_assignment(overlap, maximize=True, checkpoint=checkpoint)
+    # One solve that no checkpoint interrupts, so the checkpoint comes before it. Measured
+    # on the 2-core machine with a 20,000-request window: 6-18 ms at 1,024 workers (the
+    # default cap), 0.2-2.6 s at 4,096 (worst when no traffic stays put); the hand-written
+    # augmenting-path solver this replaced checked between paths but was up to 5x slower
+    # (4.7 s at 4,096). Ties (equal overlaps) may go another way than it did: the same
+    # number of requests stays on its worker.
+    if checkpoint is not None:
+        checkpoint()
+    rows, cols = linear_sum_assignment(overlap, maximize=True)
     mapping = np.full(k, -1, dtype=np.int64)
     mapping[rows] = cols
     return mapping
