@@ -1,7 +1,11 @@
 """Render a kustomize overlay offline, for the subset of kustomize that deploy/k8s uses.
 
 No kustomize binary is needed: tests render every overlay and validate the result, and
-`eldr deploy render` prints it. The subset is small on purpose, and anything outside it
+`eldr deploy render` prints it. Hand-written because the real kustomize cannot be installed
+from the registries this project uses (not in Debian bookworm, not on PyPI or npm, and
+Debian's Go, 1.19, is older than recent kustomize releases need); where `kubectl` is installed, the tests check that its
+`kubectl kustomize` renders every overlay to the same objects (the output order differs:
+kustomize sorts by kind). The subset is small on purpose, and anything outside it
 raises `KustomizeError` instead of being rendered differently from `kubectl kustomize`:
 
 - `resources`: YAML files (several documents each) and directories with a kustomization;
@@ -10,7 +14,8 @@ raises `KustomizeError` instead of being rendered differently from `kubectl kust
 - `patches` with `path` only: strategic-merge patches naming their target by apiVersion,
   kind and metadata.name. Maps merge; `null` deletes a key; lists of containers, init
   containers, volumes, env and imagePullSecrets merge by `name`, volume mounts by
-  `mountPath`, ports by `containerPort` (or `port`); every other list is replaced;
+  `mountPath`, ports by `containerPort` (or `port`), in kustomize's order (the patch's
+  items first, then the base's others); every other list is replaced;
 - `configMapGenerator` with `files` and/or `literals` and `disableNameSuffixHash: true`.
 
 Order follows kustomize: bases are rendered first (with their own transformers), then the
@@ -221,15 +226,19 @@ def _merge_list(key: str, base: list[Any], patch: list[Any]) -> list[Any]:
         merge_key = "containerPort" if all("containerPort" in p for p in base + patch) else "port"
     if merge_key is None or not all(isinstance(i, dict) and merge_key in i for i in base + patch):
         return copy.deepcopy(patch)
-    merged = copy.deepcopy(base)
+    # kustomize's order (checked against `kubectl kustomize` in tests): the patch's items
+    # first, in its order, each merged into its base item, then the base items it did not
+    # name. It matters where order does (env entries referring to earlier ones).
+    rest = copy.deepcopy(base)
+    merged = []
     for item in patch:
-        for i, existing in enumerate(merged):
+        for i, existing in enumerate(rest):
             if existing[merge_key] == item[merge_key]:
-                merged[i] = strategic_merge(existing, item)
+                merged.append(strategic_merge(rest.pop(i), item))
                 break
         else:
             merged.append(copy.deepcopy(item))
-    return merged
+    return merged + rest
 
 
 def _set_namespace(kfile: Path, objects: list[Resource], namespace: str) -> None:
