@@ -40,6 +40,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -69,12 +70,39 @@ class ExpertDemand:
             raise ValueError(f"base has shape {self.base.shape}, expected ({self.num_moe_layers},)")
         if self.idx.shape != self.excess.shape or self.idx.ndim != 1:
             raise ValueError(f"{self.idx.shape} indices for {self.excess.shape} excess values")
-        if self.idx.size and (self.idx.min() < 0 or self.idx.max() >= self.dim):
+        # Ascending by construction, so its ends bound it (min/max cost ~2 us a decision).
+        if self.idx.size and (self.idx[0] < 0 or self.idx[-1] >= self.dim):
             raise ValueError(f"an index is outside {self.num_moe_layers} x {self.num_experts}")
 
     @property
     def dim(self) -> int:
         return self.num_moe_layers * self.num_experts
+
+    # What the cost-aware policy weighs a worker's activity with (`ActivityView.marginal`),
+    # computed once per demand: p is p_base[l] everywhere in layer l except at `idx`.
+
+    @cached_property
+    def layer_of(self) -> np.ndarray:
+        """int64 [nnz]: the MoE layer of each of `idx`."""
+        return self.idx // self.num_experts
+
+    @cached_property
+    def p_base(self) -> np.ndarray:
+        """float64 [L]: p of an expert the prompt did not route to, per layer."""
+        return np.asarray(-np.expm1(-self.base), dtype=np.float64)
+
+    @cached_property
+    def p_excess(self) -> np.ndarray:
+        """float64 [nnz]: p at `idx` above its layer's `p_base` (the dense `probability`
+        there, less the base)."""
+        p_base = self.p_base.take(self.layer_of)
+        return np.asarray(-np.expm1(-(self.base.take(self.layer_of) + self.excess)) - p_base)
+
+    @cached_property
+    def total(self) -> float:
+        """Sum of p over every (MoE layer, expert): the experts one decode step of this
+        request activates, in expectation (what it adds to an idle worker's union)."""
+        return float(self.num_experts * self.p_base.sum() + self.p_excess.sum())
 
     def log_miss(self) -> np.ndarray:
         """Dense h, float64 [L * E]."""
@@ -115,26 +143,90 @@ def expert_demand(
     that layer, shrunk towards uniform by `prior_tokens` pseudo-tokens. A layer without
     counts predicts uniform top_k / E.
     """
-    c = np.asarray(counts, dtype=np.float64)
-    if c.ndim != 2 or c.shape[0] == 0 or c.shape[1] == 0:
-        raise ValueError(f"counts must be [layers, experts], got {c.shape}")
+    c = _counts_2d(counts)
     if top_k < 1 or top_k > c.shape[1]:
         raise ValueError(f"top_k must be in [1, {c.shape[1]}], got {top_k}")
     if prior_tokens <= 0:
         raise ValueError(f"prior_tokens must be positive, got {prior_tokens}")
-    if (c < 0).any():
+    idx, vals, totals = _nonzero_cells(c)
+    return _demand(c.shape, idx, vals, totals, top_k, prior_tokens)
+
+
+def request_expert_demand(
+    counts: np.ndarray, prompt_tokens: int, *, top_k: int = 0, prior_tokens: float = 1.0
+) -> ExpertDemand | None:
+    """`expert_demand` of a request's counts with top_k estimated from them when 0
+    (`estimate_top_k`, capped at E); None when every count is zero. One pass over the
+    counts (the router's path: about 3,000 cells, a few percent of them non-zero)."""
+    c = _counts_2d(counts)
+    if prior_tokens <= 0:
+        raise ValueError(f"prior_tokens must be positive, got {prior_tokens}")
+    idx, vals, totals = _nonzero_cells(c)
+    if not idx.size:
+        return None
+    if top_k <= 0:
+        top_k = 1 if prompt_tokens <= 0 else max(1, round(float(totals.max()) / prompt_tokens))
+    return _demand(c.shape, idx, vals, totals, min(top_k, c.shape[1]), prior_tokens)
+
+
+def _counts_2d(counts: np.ndarray) -> np.ndarray:
+    c = np.asarray(counts)
+    if c.ndim != 2 or c.shape[0] == 0 or c.shape[1] == 0:
+        raise ValueError(f"counts must be [layers, experts], got {c.shape}")
+    return c
+
+
+def _nonzero_cells(c: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(flat indices of the non-zero cells, ascending; their counts as float64; the
+    per-layer totals as float64). Integer counts sum exactly in any order, so the totals
+    are those of the dense row sums."""
+    flat = c.reshape(-1)
+    idx = (flat != 0).nonzero()[0]
+    vals = flat.take(idx).astype(np.float64)
+    if c.dtype.kind != "u" and vals.size and vals.min() < 0:
         raise ValueError("counts must be non-negative")
-    layers, experts = c.shape
-    tokens = c.sum(axis=1) / top_k
-    denom = tokens + prior_tokens
+    totals = np.bincount(idx // c.shape[1], weights=vals, minlength=c.shape[0])
+    return idx.astype(np.int64, copy=False), vals, totals
+
+
+def _demand(
+    shape: tuple[int, ...],
+    idx: np.ndarray,
+    vals: np.ndarray,
+    totals: np.ndarray,
+    top_k: int,
+    prior_tokens: float,
+) -> ExpertDemand:
+    layers, experts = shape
+    denom = totals / top_k + prior_tokens
     uniform = prior_tokens * top_k / experts
     base_p = np.minimum(uniform / denom, MAX_PROBABILITY)
     base = -np.log1p(-base_p)
-    idx = np.flatnonzero(c.reshape(-1))
     layer_of = idx // experts
-    p = np.minimum((c.reshape(-1)[idx] + uniform) / denom[layer_of], MAX_PROBABILITY)
-    excess = -np.log1p(-p) - base[layer_of]
-    return ExpertDemand(layers, experts, base, idx.astype(np.int64), excess)
+    p = np.minimum((vals + uniform) / denom.take(layer_of), MAX_PROBABILITY)
+    excess = -np.log1p(-p) - base.take(layer_of)
+    demand = ExpertDemand(layers, experts, base, idx, excess)
+    # The probabilities are at hand here: fill the demand's cached properties with them
+    # (what deriving them from `base` and `excess` gives, up to rounding) rather than
+    # take exp(log(.)) again on the decision path.
+    base_p_at = base_p.take(layer_of)
+    demand.__dict__.update(layer_of=layer_of, p_base=base_p, p_excess=p - base_p_at)
+    return demand
+
+
+def expected_union(log_idle: np.ndarray) -> float:
+    """Expected distinct (MoE layer, expert) pairs one decode step streams, from each
+    pair's log-probability of being idle in that step: sum over pairs of 1 - exp(log_idle).
+
+    The one model of a batch's expert union: tokens route independently, each by its
+    request's per-token activation p, so a pair is idle with probability prod (1 - p)
+    over the batch (log_idle = sum of log(1 - p)). The activity table holds the same
+    product per worker (`ActivityTable.miss_view`, from which the cost-aware policy reads
+    U), the trainer's shadow gate models a worker's batch with it
+    (`eldr.core.routing.online.modelled_union`) and replay its recorded batches
+    (`eldr.replay.engine`).
+    """
+    return float(-np.sum(np.expm1(log_idle)))
 
 
 def demand_nbytes(demand: ExpertDemand) -> int:
@@ -143,41 +235,138 @@ def demand_nbytes(demand: ExpertDemand) -> int:
 
 
 class _WorkerActivity:
-    __slots__ = ("base", "dense", "dirty", "miss", "order", "requests", "revision")
+    """One worker's summed miss log-mass, and its idle probabilities kept factored.
+
+    P(cell idle) = exp(-(dense[cell] + base[layer])) = idle[cell] x factor[layer]:
+    a request changes `dense` only where its prompt routed (a few percent of the cells),
+    and `base` in every layer, so keeping exp(-dense) and exp(-base) apart updates `nnz`
+    exponentials per request instead of L x E, and a decision reads only the request's
+    cells (`ActivityView.marginal`)."""
+
+    __slots__ = (
+        "base",
+        "dense",
+        "factor",
+        "idle",
+        "layer_idle",
+        "order",
+        "requests",
+        "revision",
+        "union",
+    )
 
     def __init__(self, layers: int, experts: int) -> None:
         self.dense = np.zeros(layers * experts, dtype=np.float64)
         self.base = np.zeros(layers, dtype=np.float64)
         self.requests = 0
-        self.miss = np.ones(layers * experts, dtype=np.float64)
-        self.dirty = False
+        self.idle = np.ones(layers * experts, dtype=np.float64)
+        """exp(-dense): P(idle) of each cell before its layer's factor."""
+        self.factor = np.ones(layers, dtype=np.float64)
+        """exp(-base) per layer."""
+        self.layer_idle = np.full(layers, float(experts))
+        """Expected idle experts per layer: factor x the layer's sum of `idle`."""
+        self.union = 0.0
+        """Expected distinct (layer, expert) cells per step: L x E - sum(layer_idle)."""
         self.revision = 0
         self.order: OrderedDict[str, None] = OrderedDict()
         """This worker's request ids, oldest first (what `evict_over` drops first)."""
 
     @property
     def nbytes(self) -> int:
-        return int(self.dense.nbytes + self.base.nbytes + self.miss.nbytes)
+        return int(
+            self.dense.nbytes
+            + self.base.nbytes
+            + self.idle.nbytes
+            + self.factor.nbytes
+            + self.layer_idle.nbytes
+        )
 
     def apply(self, demand: ExpertDemand, sign: float) -> None:
-        self.dense[demand.idx] += sign * demand.excess
+        idx = demand.idx
+        dense = self.dense
+        dense[idx] += sign * demand.excess
         self.base += sign * demand.base
         self.requests += 1 if sign > 0 else -1
+        layers = self.base.shape[0]
         if self.requests <= 0:
             # Subtractions leave rounding residue; an empty worker is exactly idle.
-            self.dense.fill(0.0)
+            dense.fill(0.0)
             self.base.fill(0.0)
+            self.idle.fill(1.0)
+            self.factor.fill(1.0)
+            self.layer_idle.fill(float(dense.shape[0] // layers))
+            self.union = 0.0
             self.requests = 0
-        self.dirty = True
+        else:
+            # Log-masses are non-negative; only rounding residue can make them less.
+            self.idle[idx] = np.exp(-np.maximum(dense.take(idx), 0.0))
+            self.factor = np.exp(-np.maximum(self.base, 0.0))
+            self.layer_idle = self.factor * self.idle.reshape(layers, -1).sum(axis=1)
+            self.union = float(dense.shape[0] - self.layer_idle.sum())
         self.revision += 1
 
-    def miss_probability(self, experts: int) -> np.ndarray:
-        if self.dirty:
-            log_miss = self.dense + np.repeat(self.base, experts)
-            np.maximum(log_miss, 0.0, out=log_miss)
-            self.miss = np.exp(-log_miss)
-            self.dirty = False
-        return self.miss
+    def miss_probability(self) -> np.ndarray:
+        """Dense P(idle) per cell, float64 [L * E] (a new array)."""
+        experts = self.dense.shape[0] // self.base.shape[0]
+        return np.asarray(self.idle * np.repeat(self.factor, experts))
+
+
+class ActivityView:
+    """What cost-aware routing reads of an `ActivityTable` for one decision over
+    `workers` (rows in that order; a worker with nothing counted is idle).
+
+    Valid until the table's next `view` (which reuses its arrays): it shows the table as
+    it was when it was taken, even after later `add`s or `finish`es, and raises if used
+    after another view was taken.
+    """
+
+    __slots__ = ("_factor", "_generation", "_idle", "_layer_idle", "_table", "_union", "shape")
+
+    def __init__(
+        self,
+        table: ActivityTable,
+        shape: tuple[int, int],
+        idle: np.ndarray,
+        factor: np.ndarray,
+        layer_idle: np.ndarray,
+        union: np.ndarray,
+    ) -> None:
+        self._table = table
+        self._generation = table._view_generation
+        self.shape = shape
+        """(MoE layers, experts) of the table."""
+        self._idle, self._factor, self._layer_idle, self._union = idle, factor, layer_idle, union
+
+    def __len__(self) -> int:
+        return int(self._union.shape[0])
+
+    def _check(self) -> None:
+        if self._table._view_generation != self._generation:
+            raise RuntimeError("an activity view was used after a later one was taken")
+
+    def marginal(self, demand: ExpertDemand) -> tuple[np.ndarray, np.ndarray]:
+        """(U, dU), float64 [workers] each: each worker's expected expert union per step
+        (summed over MoE layers) and what `demand`'s request would add to it.
+
+        dU_i = sum over cells of P_i(idle) x p = sum_l p_base[l] x (expected idle experts
+        of layer l) + sum over the request's cells of P_i(idle) x p_excess: the dense
+        product over L x E cells, read at the request's non-zero cells only.
+        """
+        self._check()
+        if (demand.num_moe_layers, demand.num_experts) != self.shape:
+            raise ValueError(
+                f"a {demand.num_moe_layers} x {demand.num_experts} demand against a "
+                f"{self.shape[0]} x {self.shape[1]} activity table"
+            )
+        at = self._idle.take(demand.idx, axis=1)
+        at *= self._factor.take(demand.layer_of, axis=1)
+        added = self._layer_idle @ demand.p_base + at @ demand.p_excess
+        return self._union.copy(), added
+
+    def miss(self) -> np.ndarray:
+        """float64 [workers, L * E]: P(expert idle in each worker's next step) (a copy)."""
+        self._check()
+        return np.asarray(self._idle * np.repeat(self._factor, self.shape[1], axis=1))
 
 
 DEFAULT_TTL_S = 130.0
@@ -219,11 +408,14 @@ class ActivityTable:
         self._workers: dict[str, _WorkerActivity] = {}
         # Insertion order is assignment order (nearly time order): expiry pops the front.
         self._entries: OrderedDict[str, tuple[str, float, ExpertDemand]] = OrderedDict()
-        # The last view and, per row, the worker state and revision it was built from:
-        # consecutive decisions over the same workers rebuild only the rows that changed.
+        # The last view's arrays (rows in `_view_workers` order) and the workers whose
+        # state changed since: consecutive decisions over the same workers copy only the
+        # rows that changed (one or two per decision), not L x E cells per worker.
         self._view_workers: tuple[str, ...] = ()
-        self._view: np.ndarray | None = None
-        self._view_rows: list[tuple[_WorkerActivity | None, int]] = []
+        self._view_index: dict[str, int] = {}
+        self._view_arrays: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._changed: set[str] = set()
+        self._view_generation = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -279,6 +471,7 @@ class ActivityTable:
         if state is None:
             state = self._workers[worker_id] = _WorkerActivity(*shape)
         state.apply(demand, 1.0)
+        self._changed.add(worker_id)
         state.order[request_id] = None
         self._entries[request_id] = (worker_id, now_s, demand)
         self._entry_bytes += demand_nbytes(demand)
@@ -296,6 +489,7 @@ class ActivityTable:
         self._entry_bytes -= demand_nbytes(demand)
         state = self._workers[worker_id]
         state.apply(demand, -1.0)
+        self._changed.add(worker_id)
         del state.order[request_id]
         if state.requests == 0:
             del self._workers[worker_id]
@@ -317,6 +511,7 @@ class ActivityTable:
                 demand.num_moe_layers, demand.num_experts
             )
         state.apply(demand, 1.0)
+        self._changed.add(worker_id)
         state.order[request_id] = None
         self._entries[request_id] = (worker_id, ts_s, demand)
         self._entry_bytes += demand_nbytes(demand)
@@ -365,36 +560,57 @@ class ActivityTable:
         self._entry_bytes = 0
         if not self._shape_fixed:
             self._shape = None
-        self._view = None
+        self._view_arrays = None
         self._view_workers = ()
-        self._view_rows = []
+        self._view_index = {}
+        self._changed.clear()
 
-    def miss_view(self, workers: Sequence[str]) -> np.ndarray | None:
-        """float64 [len(workers), L * E]: P(expert idle in each worker's next step).
-
-        A worker with nothing counted is all ones. None before any demand was added (no
-        geometry yet). Rows are cached per worker until its requests change.
-        """
+    def view(self, workers: Sequence[str]) -> ActivityView | None:
+        """What cost-aware routing reads of each of `workers` (a worker with nothing
+        counted is idle); None before any demand was added (no geometry yet). The view
+        is valid until the next call (see `ActivityView`)."""
         if self._shape is None:
             return None
         layers, experts = self._shape
         key = tuple(workers)
-        view = self._view
-        if view is None or key != self._view_workers:
-            view = np.ones((len(key), layers * experts), dtype=np.float64)
-            rows: list[tuple[_WorkerActivity | None, int]] = [(None, 0)] * len(key)
+        arrays = self._view_arrays
+        if arrays is None or key != self._view_workers or arrays[0].shape[1] != layers * experts:
+            n = len(key)
+            arrays = (
+                np.ones((n, layers * experts), dtype=np.float64),
+                np.ones((n, layers), dtype=np.float64),
+                np.full((n, layers), float(experts)),
+                np.zeros(n, dtype=np.float64),
+            )
+            self._view_arrays, self._view_workers = arrays, key
+            self._view_index = {w: i for i, w in enumerate(key)}
+            refresh: Sequence[str] = key
         else:
-            rows = self._view_rows
-        for i, w in enumerate(key):
+            refresh = list(self._changed)
+        idle, factor, layer_idle, union = arrays
+        index = self._view_index
+        for w in refresh:
+            i = index.get(w)
+            if i is None:
+                continue
             state = self._workers.get(w)
-            seen, revision = rows[i]
             if state is None:
-                if seen is not None:
-                    view[i] = 1.0
-                    rows[i] = (None, 0)
-            elif state is not seen or state.revision != revision:
-                view[i] = state.miss_probability(experts)
-                rows[i] = (state, state.revision)
-        self._view, self._view_workers, self._view_rows = view, key, rows
-        # Callers get a copy: the cached view changes under them at the next call.
-        return view.copy()
+                idle[i] = 1.0
+                factor[i] = 1.0
+                layer_idle[i] = float(experts)
+                union[i] = 0.0
+            else:
+                idle[i] = state.idle
+                factor[i] = state.factor
+                layer_idle[i] = state.layer_idle
+                union[i] = state.union
+        self._changed.clear()
+        self._view_generation += 1
+        return ActivityView(self, self._shape, idle, factor, layer_idle, union)
+
+    def miss_view(self, workers: Sequence[str]) -> np.ndarray | None:
+        """float64 [len(workers), L * E]: P(expert idle in each worker's next step), a
+        copy (a worker with nothing counted is all ones); None before any demand was
+        added. Takes a `view`."""
+        view = self.view(workers)
+        return None if view is None else view.miss()
