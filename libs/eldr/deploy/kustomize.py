@@ -3,10 +3,11 @@
 No kustomize binary is needed: tests render every overlay and validate the result, and
 `eldr deploy render` prints it. Hand-written because the real kustomize cannot be installed
 from the registries this project uses (not in Debian bookworm, not on PyPI or npm, and
-Debian's Go, 1.19, is older than recent kustomize releases need); where `kubectl` is installed, the tests check that its
-`kubectl kustomize` renders every overlay to the same objects (the output order differs:
-kustomize sorts by kind). The subset is small on purpose, and anything outside it
-raises `KustomizeError` instead of being rendered differently from `kubectl kustomize`:
+Debian's Go, 1.19, is older than recent kustomize releases need); where `kubectl` is
+installed, the tests check that `kubectl kustomize` renders every overlay to the same
+objects (the output order differs: kustomize sorts by kind). The subset is small on
+purpose, and anything outside it raises `KustomizeError` instead of being rendered
+differently from `kubectl kustomize`:
 
 - `resources`: YAML files (several documents each) and directories with a kustomization;
 - `namespace`: set on every namespaced object (a Namespace object must already have it);
