@@ -154,3 +154,51 @@ def test_the_cached_probabilities_are_those_of_the_fields(counts: np.ndarray, to
     dense = made.probability()
     np.testing.assert_allclose(rebuilt.p_excess + rebuilt.p_base[rebuilt.layer_of], dense[made.idx])
     assert made.total == pytest.approx(dense.sum(), rel=1e-12)
+
+
+@settings(max_examples=40)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["add", "finish", "move", "view"]), st.integers(0, 30)),
+        max_size=40,
+    )
+)
+def test_a_view_is_the_table_after_any_changes_since_the_last(ops: list[tuple[str, int]]) -> None:
+    # Views copy only the cells that changed since the previous view (or whole columns
+    # when a worker went idle or changed often): whatever happened in between, a view
+    # equals one built afresh from the requests held.
+    rng = np.random.default_rng(7)
+    pool = [
+        expert_demand(rng.integers(0, 3, (L, E)) + (rng.random((L, E)) < 0.1)) for _ in range(8)
+    ]
+    workers = ["a", "b", "c"]
+    table = ActivityTable()
+    held: dict[str, tuple[str, int]] = {}
+    for n, (op, k) in enumerate(ops):
+        if op == "add":
+            rid, w = f"r{n}", workers[k % 3]
+            if table.add(w, rid, pool[k % len(pool)], 0.0):
+                held[rid] = (w, k % len(pool))
+        elif op == "finish" and held:
+            rid = sorted(held)[k % len(held)]
+            table.finish(rid)
+            del held[rid]
+        elif op == "move" and held:
+            rid = sorted(held)[k % len(held)]
+            table.move(rid, workers[(k // 3) % 3])
+            held[rid] = (workers[(k // 3) % 3], held[rid][1])
+        if op != "view" and n < len(ops) - 1:
+            continue  # several changes between two views
+        view = table.view(workers)
+        if view is None:
+            continue
+        fresh = ActivityTable()
+        fresh.set_shape((L, E))
+        for rid, (w, d) in held.items():
+            fresh.add(w, rid, pool[d], 0.0)
+        reference = fresh.view(workers)
+        assert reference is not None
+        np.testing.assert_allclose(view.miss(), reference.miss(), rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(
+            view.marginal(pool[0])[1], reference.marginal(pool[0])[1], rtol=1e-9
+        )

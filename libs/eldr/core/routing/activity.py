@@ -313,7 +313,11 @@ class _WorkerActivity:
 
 class ActivityView:
     """What cost-aware routing reads of an `ActivityTable` for one decision over
-    `workers` (rows in that order; a worker with nothing counted is idle).
+    `workers` (in that order; a worker with nothing counted is idle).
+
+    Held cell-major ([L x E, workers]): a decision gathers the request's cells, each a
+    contiguous run of one value per worker (a few hundred cache lines, not one per
+    worker and cell).
 
     Valid until the table's next `view` (which reuses its arrays): it shows the table as
     it was when it was taken, even after later `add`s or `finish`es, and raises if used
@@ -358,16 +362,21 @@ class ActivityView:
                 f"a {demand.num_moe_layers} x {demand.num_experts} demand against a "
                 f"{self.shape[0]} x {self.shape[1]} activity table"
             )
-        at = self._idle.take(demand.idx, axis=1)
-        at *= self._factor.take(demand.layer_of, axis=1)
-        added = self._layer_idle @ demand.p_base + at @ demand.p_excess
+        at = self._idle.take(demand.idx, axis=0)
+        at *= self._factor.take(demand.layer_of, axis=0)
+        added = demand.p_excess @ at
+        added += demand.p_base @ self._layer_idle
         return self._union.copy(), added
 
     def miss(self) -> np.ndarray:
         """float64 [workers, L * E]: P(expert idle in each worker's next step) (a copy)."""
         self._check()
-        return np.asarray(self._idle * np.repeat(self._factor, self.shape[1], axis=1))
+        miss = self._idle * np.repeat(self._factor, self.shape[1], axis=0)
+        return np.ascontiguousarray(miss.T)
 
+
+MAX_CELL_LISTS = 8
+"""Changes to one worker between two views beyond which its whole column is copied."""
 
 DEFAULT_TTL_S = 130.0
 """Default entry lifetime: a maximum decode duration (4,096 output tokens at 30 ms per
@@ -408,13 +417,14 @@ class ActivityTable:
         self._workers: dict[str, _WorkerActivity] = {}
         # Insertion order is assignment order (nearly time order): expiry pops the front.
         self._entries: OrderedDict[str, tuple[str, float, ExpertDemand]] = OrderedDict()
-        # The last view's arrays (rows in `_view_workers` order) and the workers whose
-        # state changed since: consecutive decisions over the same workers copy only the
-        # rows that changed (one or two per decision), not L x E cells per worker.
+        # The last view's arrays (columns in `_view_workers` order) and, per worker whose
+        # state changed since, the cells that changed (None: any): consecutive decisions
+        # over the same workers copy only the cells of the requests added or finished
+        # in between (one or two per decision), not L x E cells per worker.
         self._view_workers: tuple[str, ...] = ()
         self._view_index: dict[str, int] = {}
         self._view_arrays: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
-        self._changed: set[str] = set()
+        self._changed: dict[str, list[np.ndarray] | None] = {}
         self._view_generation = 0
 
     def __len__(self) -> int:
@@ -471,7 +481,7 @@ class ActivityTable:
         if state is None:
             state = self._workers[worker_id] = _WorkerActivity(*shape)
         state.apply(demand, 1.0)
-        self._changed.add(worker_id)
+        self._note_change(worker_id, demand.idx)
         state.order[request_id] = None
         self._entries[request_id] = (worker_id, now_s, demand)
         self._entry_bytes += demand_nbytes(demand)
@@ -489,11 +499,26 @@ class ActivityTable:
         self._entry_bytes -= demand_nbytes(demand)
         state = self._workers[worker_id]
         state.apply(demand, -1.0)
-        self._changed.add(worker_id)
         del state.order[request_id]
         if state.requests == 0:
             del self._workers[worker_id]
+            self._note_change(worker_id, None)  # exactly idle again: every cell
+        else:
+            self._note_change(worker_id, demand.idx)
         return True
+
+    def _note_change(self, worker_id: str, cells: np.ndarray | None) -> None:
+        """`worker_id`'s idle probabilities changed at `cells` (None: anywhere)."""
+        if worker_id not in self._changed:
+            self._changed[worker_id] = None if cells is None else [cells]
+            return
+        pending = self._changed[worker_id]
+        if pending is None:
+            return
+        if cells is None or len(pending) >= MAX_CELL_LISTS:
+            self._changed[worker_id] = None
+        else:
+            pending.append(cells)
 
     def move(self, request_id: str, worker_id: str) -> bool:
         """The request went to `worker_id` instead (a retry before it started): its
@@ -511,7 +536,7 @@ class ActivityTable:
                 demand.num_moe_layers, demand.num_experts
             )
         state.apply(demand, 1.0)
-        self._changed.add(worker_id)
+        self._note_change(worker_id, demand.idx)
         state.order[request_id] = None
         self._entries[request_id] = (worker_id, ts_s, demand)
         self._entry_bytes += demand_nbytes(demand)
@@ -574,37 +599,41 @@ class ActivityTable:
         layers, experts = self._shape
         key = tuple(workers)
         arrays = self._view_arrays
-        if arrays is None or key != self._view_workers or arrays[0].shape[1] != layers * experts:
+        if arrays is None or key != self._view_workers or arrays[0].shape[0] != layers * experts:
             n = len(key)
             arrays = (
-                np.ones((n, layers * experts), dtype=np.float64),
-                np.ones((n, layers), dtype=np.float64),
-                np.full((n, layers), float(experts)),
+                np.ones((layers * experts, n), dtype=np.float64),
+                np.ones((layers, n), dtype=np.float64),
+                np.full((layers, n), float(experts)),
                 np.zeros(n, dtype=np.float64),
             )
             self._view_arrays, self._view_workers = arrays, key
             self._view_index = {w: i for i, w in enumerate(key)}
-            refresh: Sequence[str] = key
+            refresh: dict[str, list[np.ndarray] | None] = dict.fromkeys(key)
         else:
-            refresh = list(self._changed)
+            refresh = self._changed
         idle, factor, layer_idle, union = arrays
         index = self._view_index
-        for w in refresh:
+        for w, cells in refresh.items():
             i = index.get(w)
             if i is None:
                 continue
             state = self._workers.get(w)
             if state is None:
-                idle[i] = 1.0
-                factor[i] = 1.0
-                layer_idle[i] = float(experts)
+                idle[:, i] = 1.0
+                factor[:, i] = 1.0
+                layer_idle[:, i] = float(experts)
                 union[i] = 0.0
+                continue
+            if cells is None:
+                idle[:, i] = state.idle
             else:
-                idle[i] = state.idle
-                factor[i] = state.factor
-                layer_idle[i] = state.layer_idle
-                union[i] = state.union
-        self._changed.clear()
+                for at in cells:
+                    idle[at, i] = state.idle.take(at)
+            factor[:, i] = state.factor
+            layer_idle[:, i] = state.layer_idle
+            union[i] = state.union
+        self._changed = {}
         self._view_generation += 1
         return ActivityView(self, self._shape, idle, factor, layer_idle, union)
 
