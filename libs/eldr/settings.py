@@ -6,7 +6,8 @@ level, metrics port, instance id); `GeometrySettings` (routers, signature replic
 trainer) says which model geometries to accept, `BlockHashSettings` (producers of block
 hashes) the deployment's block-hash key. Each service subclasses `CommonSettings` with its own
 fields, so one flat `ELDR_` namespace configures a process, e.g. `ELDR_NATS_URL`,
-`ELDR_NAMESPACE`, `ELDR_DECISIONS_MAX_AGE_S`.
+`ELDR_NAMESPACE`, `ELDR_DECISIONS_MAX_AGE_S`. `RoutingSettings` (routers, and the trainer,
+whose shadow gate routes as the routers do) is the routing profile: `ELDR_ROUTING_PROFILE`.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import re
 import socket
 import uuid
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal, Self
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+import msgspec
+from pydantic import BeforeValidator, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from eldr.core.limits import (
@@ -27,6 +29,15 @@ from eldr.core.limits import (
     DEFAULT_MAX_MOE_LAYERS,
     GeometryLimits,
     parse_model_geometries,
+)
+from eldr.core.routing.profile import (
+    DEFAULT_PROFILE,
+    ROUTER_POLICIES,
+    LoadMeasure,
+    ProfileBase,
+    RoutingProfile,
+    decode_profile,
+    profile_from_params,
 )
 from eldr.core.signature.blocks import hash_key_from_secret
 from eldr.wire.base import MAX_EXPERTS, MAX_MOE_LAYERS, MAX_SPARSE_CELLS
@@ -286,6 +297,67 @@ class GeometrySettings(BaseSettings):
             models=parse_model_geometries(self.model_geometries),
             only_listed=self.only_listed_models,
         )
+
+
+def _routing_profile(value: Any) -> ProfileBase:
+    """A profile from its JSON (the environment), a dict of it, or a profile."""
+    if isinstance(value, ProfileBase):
+        return value
+    if isinstance(value, str | bytes):
+        return decode_profile(value)
+    try:
+        profile: ProfileBase = msgspec.convert(value, RoutingProfile)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"routing profile {value!r}: {exc}") from None
+    return profile
+
+
+class RoutingSettings(BaseSettings):
+    """How requests are routed: the routers route with it, and the trainer's shadow gate
+    judges a candidate partition by routing with it, so both must get the same values
+    (one ConfigMap in deploy/)."""
+
+    model_config = SettingsConfigDict(**_CONFIG, arbitrary_types_allowed=True)
+
+    routing_profile: Annotated[ProfileBase, BeforeValidator(_routing_profile)] = Field(
+        default=DEFAULT_PROFILE,
+        description="The routing policy and its parameters as JSON, e.g. "
+        '`{"policy": "eldr", "tau": 0.2}`; parameters left out take their defaults '
+        "(eldr.core.routing.profile). Policies: "
+        f"{', '.join(ROUTER_POLICIES)} (oracle is for benchmarks only). Default "
+        f"{DEFAULT_PROFILE.name}: cost-model-aware locality "
+        "(docs/ONLINE.md); eldr is the ELDR paper's band rule.",
+    )
+    policy: str | None = Field(
+        default=None,
+        description="Older spelling: switch routing_profile to this policy (the "
+        "parameters it takes carry over).",
+    )
+    tau: float | None = Field(
+        default=None,
+        description="Older spelling: the profile's tau (band policies only).",
+    )
+    load_measure: LoadMeasure | None = Field(
+        default=None,
+        description="Older spelling: the profile's load_measure (not round_robin, random).",
+    )
+
+    def legacy_params(self) -> dict[str, object]:
+        """The older settings that are set, as profile parameters."""
+        pairs = (("tau", self.tau), ("load_measure", self.load_measure))
+        return {k: v for k, v in pairs if v is not None}
+
+    @model_validator(mode="after")
+    def _apply_legacy(self) -> Self:
+        # The older variables keep working: they patch the profile, through the one
+        # mapping of loose names onto a profile (a parameter the policy does not take is
+        # an error that names what it takes).
+        params = self.legacy_params()
+        if self.policy is not None or params:
+            self.routing_profile = profile_from_params(
+                self.policy or self.routing_profile.name, params, keep=self.routing_profile
+            )
+        return self
 
 
 def _default_instance_id() -> str:

@@ -34,7 +34,7 @@ from eldr.bus import (
 from eldr.bus.topology import DECISIONS, IDENTITY, PARTITIONS, PREFILL
 from eldr.core.routing.decide import NoLiveWorkersError, RouterCore, RouteRequest
 from eldr.core.routing.loadtable import LoadTable, Report
-from eldr.core.routing.policies import PolicySpec
+from eldr.core.routing.profile import as_routing_profile, profile_from_params
 from eldr.partitions.codec import partition_from_blob
 from eldr.runtime import ServiceContext, service_main
 from eldr.wire import (
@@ -82,12 +82,12 @@ class RouterService:
         self.bus = ctx.bus
         self.subjects = ctx.bus.subjects
         self.topology = build_topology(s.namespace, s)
-        self.metrics = RouterMetrics(ctx.registry, s.policy)
+        self.metrics = RouterMetrics(ctx.registry, s.routing_profile.name)
         self.table = LoadTable(
             stale_after_s=s.stale_after_s, pending_ttl_s=s.pending_ttl_s, max_workers=s.max_workers
         )
         self.core = RouterCore(
-            PolicySpec(name=s.policy, tau=s.tau, load_measure=s.load_measure),
+            s.routing_profile,
             self.table,
             np.random.default_rng([s.router_seed, zlib.crc32(s.instance_id.encode())]),
             max_scores=s.max_scores,
@@ -303,17 +303,20 @@ class RouterService:
         self.metrics.live_workers.set(len(self.table))
 
     async def on_control(self, msg: RouterControl) -> RouterControlReply:
-        """Switch policy parameters (fields left None keep their value; all None = query)."""
-        spec = self.core.spec
-        if msg.policy is None and msg.tau is None and msg.load_measure is None:
-            return self._control_reply()
-        new = PolicySpec(
-            name=msg.policy or spec.name,
-            tau=spec.tau if msg.tau is None else msg.tau,
-            load_measure=msg.load_measure or spec.load_measure,  # type: ignore[arg-type]
-        )
-        self.core.set_policy(new)  # raises ValueError on a bad spec -> error reply
-        log.info("router %s switched to policy %s", self.settings.instance_id, new)
+        """Switch the routing profile: `profile` replaces it; the older fields switch policy
+        and set parameters on it (what is left None keeps its value, parameters the new
+        policy takes carry over); all None = query."""
+        current = self.core.profile
+        new = msg.profile
+        if new is None:
+            params = {"tau": msg.tau, "load_measure": msg.load_measure}
+            given = {k: v for k, v in params.items() if v is not None}
+            if msg.policy is None and not given:
+                return self._control_reply()
+            # ValueError (an unknown policy or parameter, a bad value) -> error reply
+            new = profile_from_params(msg.policy or current.name, given, keep=current)
+        self.core.set_profile(new)  # validated first: a bad profile keeps the old one
+        log.info("router %s switched to %s", self.settings.instance_id, new.describe())
         return self._control_reply()
 
     def _control_reply(self) -> RouterControlReply:
@@ -321,8 +324,9 @@ class RouterService:
         latest = self._latest_announcement
         return RouterControlReply(
             router_id=self.settings.instance_id,
-            policy=self.core.policy.name,
-            params=self.core.policy.params(),
+            policy=self.core.profile.name,
+            params=self.core.profile.params(),
+            profile=as_routing_profile(self.core.profile),
             partition_version=None if partition is None else partition.version,
             live_workers=len(self.table.live_workers(time.monotonic())),
             announced_version=None if latest is None else latest[1].version,
@@ -468,7 +472,7 @@ class RouterService:
             model=msg.model,
             worker_id=outcome.worker_id,
             policy=outcome.policy,
-            params=outcome.params,
+            profile=as_routing_profile(outcome.profile),
             partition_version=outcome.partition_version,
             fallback=outcome.fallback,
             scores=list(outcome.scores),
@@ -505,15 +509,15 @@ class RouterService:
         """The requester stopped waiting (the event's deadline passed): commit an expired
         record instead of an assignment. It is the request's one record (exactly once, as
         any decision); no worker gets the request, no load is counted."""
-        policy = self.core.policy
+        profile = self.core.profile
         record = Decision(
             request_id=msg.request_id,
             ts_s=time.time(),
             router_id=self.settings.instance_id,
             model=msg.model,
             worker_id=NO_WORKER,
-            policy=policy.name,
-            params=policy.params(),
+            policy=profile.name,
+            profile=as_routing_profile(profile),
             partition_version=None,
             fallback=None,
             scores=[],
@@ -604,11 +608,9 @@ async def setup(ctx: ServiceContext[RouterSettings]) -> None:
     )
     ctx.set_ready()
     log.info(
-        "router %s ready: policy %s tau %.3g load %s",
+        "router %s ready: %s",
         ctx.settings.instance_id,
-        ctx.settings.policy,
-        ctx.settings.tau,
-        ctx.settings.load_measure,
+        ctx.settings.routing_profile.describe(),
     )
 
 

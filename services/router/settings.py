@@ -8,19 +8,15 @@ from pydantic import Field, model_validator
 
 from eldr.core.routing.activity import DEFAULT_MAX_ENTRIES, DEFAULT_TTL_S
 from eldr.core.routing.loadtable import DEFAULT_MAX_WORKERS
-from eldr.core.routing.policies import DEFAULT_POLICY, PAPER_POLICY, POLICY_NAMES
-from eldr.settings import CommonSettings, GeometrySettings
+from eldr.settings import CommonSettings, GeometrySettings, RoutingSettings
 from eldr.wire.base import MAX_SCORES, MAX_WORKERS
 from eldr.wire.messages import decision_bytes_bound
 
 
-class RouterSettings(CommonSettings, GeometrySettings):
-    policy: str = Field(
-        default=DEFAULT_POLICY,
-        description=f"Routing policy: one of {', '.join(POLICY_NAMES[:-1])} "
-        f"(oracle is for benchmarks only). Default {DEFAULT_POLICY}: cost-model-aware "
-        f"locality (docs/ONLINE.md); {PAPER_POLICY} is the ELDR paper's band rule.",
-    )
+class RouterSettings(CommonSettings, GeometrySettings, RoutingSettings):
+    """The router's own settings; the routing profile (`routing_profile`, or the older
+    `policy`, `tau`, `load_measure`) comes from `RoutingSettings`."""
+
     activity_ttl_s: float = Field(
         default=DEFAULT_TTL_S,
         gt=0,
@@ -41,11 +37,6 @@ class RouterSettings(CommonSettings, GeometrySettings):
         default=DEFAULT_MAX_ENTRIES,
         ge=1,
         description="Activity entries held at most, all workers together (the oldest go).",
-    )
-    tau: float = Field(default=0.1, ge=0.0, le=2.0, description="ELDR locality-band width.")
-    load_measure: Literal["requests", "kv_tokens"] = Field(
-        default="requests",
-        description="Load the policies balance: in-flight requests or KV tokens.",
     )
     max_workers: int = Field(
         default=DEFAULT_MAX_WORKERS,

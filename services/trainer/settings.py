@@ -7,11 +7,14 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import NoDecode
 
-from eldr.settings import CommonSettings, GeometrySettings
+from eldr.settings import CommonSettings, GeometrySettings, RoutingSettings
 from eldr.store.settings import StoreSettings
 
 
-class TrainerSettings(CommonSettings, StoreSettings, GeometrySettings):
+class TrainerSettings(CommonSettings, StoreSettings, GeometrySettings, RoutingSettings):
+    """The trainer's settings; `RoutingSettings` is the routers' routing profile, which the
+    shadow gate routes with (give the trainer the routers' values)."""
+
     trainer_workers: Annotated[tuple[str, ...], NoDecode] = Field(
         default=(),
         description="Fixed decode-worker ids, comma-separated (ELDR_TRAINER_WORKERS=dw0,dw1). "
@@ -134,11 +137,10 @@ class TrainerSettings(CommonSettings, StoreSettings, GeometrySettings):
         description="Per-worker batch the shadow evaluation models; 0 = the mean in-flight "
         "requests per live worker from load reports, at least 8.",
     )
-    shadow_tau: float = Field(
-        default=0.1,
-        ge=0.0,
-        le=2.0,
-        description="Band width the shadow evaluation routes with (the routers' tau).",
+    shadow_tau: float | None = Field(
+        default=None,
+        description="Older spelling of tau for the trainer (the shadow gate routes with the "
+        "routers' profile, routing_profile); if both are set they must agree.",
     )
     drift_detection: bool = Field(
         default=True,
@@ -223,3 +225,15 @@ class TrainerSettings(CommonSettings, StoreSettings, GeometrySettings):
             if not w.replace("-", "").replace("_", "").isalnum() or len(w) > 256:
                 raise ValueError(f"worker id {w!r} is not a subject-safe token")
         return value
+
+    def legacy_params(self) -> dict[str, object]:
+        """`RoutingSettings.legacy_params`, with `shadow_tau` standing in for `tau`."""
+        params = super().legacy_params()
+        if self.shadow_tau is not None:
+            if self.tau is not None and self.tau != self.shadow_tau:
+                raise ValueError(
+                    f"shadow_tau {self.shadow_tau:g} and tau {self.tau:g} differ: the shadow "
+                    "gate routes with the routers' profile (set tau, or routing_profile)"
+                )
+            params["tau"] = self.shadow_tau
+        return params

@@ -37,7 +37,7 @@ def test_compare_live_runs_every_policy_live_and_simulated(tmp_path: Path) -> No
         policies=POLICIES,
     )
     result = run_compare(config)
-    assert [c.policy for c in result.comparisons] == list(POLICIES)
+    assert [c.policy for c in result.comparisons] == [p.name for p in POLICIES]
     for demo_row, c in zip(result.demo.results, result.comparisons, strict=True):
         assert demo_row.sent == demo_row.decided == demo_row.finished == 60
         for measured in (c.live, c.sim_live_information, c.sim_perfect, c.replay_live_assignments):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from eldr.core.routing.profile import EldrCostProfile, EldrProfile, RoundRobinProfile
 from eldr.core.workload.synthetic import SyntheticSpec
 from eldr.dev.demo import DemoConfig, run_demo
 
@@ -47,7 +48,7 @@ def test_requests_are_decided_exactly_once_and_locality_shrinks_the_expert_union
             state_dir=tmp_path,
             signature_replicas=2,
             router_replicas=2,
-            policies=("round_robin", "eldr", "eldr_cost"),
+            policies=(RoundRobinProfile(), EldrProfile(), EldrCostProfile()),
         )
     )
     assert result.requests_sent == 2800

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 from eldr.bus import REFUSAL_REASONS, Bus
 from eldr.bus.client import Consumer, Replay, Service, Subscription
 from eldr.bus.topology import IDENTITY
+from eldr.core.routing.profile import EldrCostProfile, EldrProfile
 from eldr.core.signature.blocks import summarize_blocks, trace_token_ids
 from eldr.core.workload.synthetic import SyntheticSpec, generate
 from eldr.data.profiles import DEFAULT_PROFILE_FOR_TRACES, load_catalog
@@ -178,7 +179,7 @@ def seed_messages() -> dict[type[Message], list[Message]]:
         model="m",
         worker_id="w0",
         policy="eldr",
-        params={"tau": 0.1},
+        profile=EldrProfile(),
         partition_version=1,
         fallback=None,
         scores=[("w0", 0.9), ("w1", 0.5)],
@@ -237,7 +238,11 @@ def seed_messages() -> dict[type[Message], list[Message]]:
         LoadReport: [report],
         DecodeProfile: [profile],
         PartitionAnnouncement: [announcement],
-        RouterControl: [RouterControl(), RouterControl(policy="jsq", tau=0.2)],
+        RouterControl: [
+            RouterControl(),
+            RouterControl(policy="eldr", tau=0.2),
+            RouterControl(profile=EldrCostProfile(locality_weight=60.0)),
+        ],
         RefitRequest: [RefitRequest(reason="fuzz", k=2)],
         DecodeJob: [job],
         SimStatsRequest: [SimStatsRequest(reset=False)],

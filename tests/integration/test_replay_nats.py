@@ -309,7 +309,7 @@ def test_the_recorded_configuration_reproduces_every_recorded_decision(
 
 
 def test_tau_zero_reports_changed_decisions_and_the_modelled_effect(recording: Recording) -> None:
-    cf = replay(recording.log, ReplayConfig(tau=0.0)).counterfactual
+    cf = replay(recording.log, ReplayConfig(params=(("tau", 0.0),))).counterfactual
     assert cf is not None
     assert cf.changes == {"tau": "0.1 -> 0"}
     assert 0 < cf.changed < N_REQUESTS

@@ -17,6 +17,7 @@ import pytest
 
 from eldr.bus import Bus, Delivery
 from eldr.bus.topology import DECISIONS
+from eldr.core.routing.profile import EldrCostProfile
 from eldr.settings import BusSettings, RetentionSettings
 from eldr.wire import (
     Decision,
@@ -189,7 +190,7 @@ async def test_cost_aware_routing_follows_activity_and_forgets_finished_requests
         stale_after_s=2.0,
         metrics_port=port,
     )
-    assert settings.policy == "eldr_cost"  # the default
+    assert settings.routing_profile == EldrCostProfile()  # the default
     admitted: dict[str, list[str]] = {"d0": [], "d1": []}
     async with reporting(bus, admitted), running_router(settings):
         # Another replica sent three expert-2/3 requests to d1.

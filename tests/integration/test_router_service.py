@@ -11,9 +11,10 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 import numpy as np
 import pytest
 
-from eldr.bus import Bus, Delivery, Topology, apply_topology
+from eldr.bus import Bus, Delivery, RemoteError, Topology, apply_topology
 from eldr.bus.topology import DECISIONS, PARTITIONS
 from eldr.core.partition.partition import Partition
+from eldr.core.routing.profile import EldrBoundedProfile, EldrCostProfile, EldrProfile
 from eldr.core.signature.signature import Calibration
 from eldr.partitions.codec import blob_sha256, partition_to_blob
 from eldr.settings import BusSettings, RetentionSettings
@@ -302,6 +303,39 @@ async def test_control_switches_the_policy_of_every_replica(
         [d] = await collect_decisions(bus, 1)
     assert sorted(r.router_id for r in replies if isinstance(r, RouterControlReply)) == ["r1", "r2"]
     assert d.policy == "round_robin"
+
+
+async def test_control_sets_a_typed_profile_and_a_policy_switch_keeps_its_parameters(
+    bus: Bus, bus_settings: BusSettings, retention: RetentionSettings
+) -> None:
+    start = EldrBoundedProfile(slack=0.3, widen_to=3)
+    s = router_settings(bus_settings, retention, instance_id="r1", routing_profile=start)
+
+    async def control(message: RouterControl) -> RouterControlReply | RemoteError:
+        [reply] = await bus.request_many(
+            bus.subjects.control_router, message, RouterControlReply, timeout_s=2.0, max_replies=1
+        )
+        return reply
+
+    async with reporting(bus, {"d0": 0}), running_router(s):
+        first = await control(RouterControl())
+        assert isinstance(first, RouterControlReply)
+        assert first.profile == start
+        # The older fields switch policy and keep what the new one takes (widen_to).
+        switched = await control(RouterControl(policy="eldr", tau=0.2))
+        assert isinstance(switched, RouterControlReply)
+        assert switched.profile == EldrProfile(tau=0.2, widen_to=3)
+        # A parameter the policy does not take is refused; the profile stays.
+        refused = await control(RouterControl(policy="jsq", tau=0.3))
+        assert isinstance(refused, RemoteError)
+        assert "takes no parameter tau" in str(refused)
+        typed = EldrCostProfile(locality_weight=5.0, top_k=1)
+        replaced = await control(RouterControl(profile=typed))
+        assert isinstance(replaced, RouterControlReply)
+        assert (replaced.profile, replaced.params) == (typed, typed.params())
+        await bus.js_publish(bus.subjects.prefill_done("p0"), prefill_done("c1"))
+        [d] = await collect_decisions(bus, 1)
+    assert (d.v, d.policy, d.profile, d.params) == (3, "eldr_cost", typed, {})
 
 
 async def test_a_request_waits_for_a_worker_past_the_ack_wait_without_redelivery(

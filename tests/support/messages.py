@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from eldr.core.routing.profile import JsqProfile
 from eldr.wire import Decision, SparseCounts
 
 
@@ -21,9 +22,9 @@ def decision(
     ts_s: float | None = None,
     **fields: Any,
 ) -> Decision:
-    """A `Decision` sending `request_id` to `worker_id`: policy "jsq", no partition, no
-    scores; `counts` (dense [L, E]) becomes its signature; `ts_s` defaults to now; any
-    other field can be given by name."""
+    """A `Decision` sending `request_id` to `worker_id`: policy "jsq" (its profile; another
+    `policy` given by name: none), no partition, no scores; `counts` (dense [L, E]) becomes
+    its signature; `ts_s` defaults to now; any other field can be given by name."""
     values: dict[str, Any] = {
         "request_id": request_id,
         "ts_s": time.time() if ts_s is None else ts_s,
@@ -31,7 +32,7 @@ def decision(
         "model": "m",
         "worker_id": worker_id,
         "policy": "jsq",
-        "params": {},
+        "profile": JsqProfile(),
         "partition_version": None,
         "fallback": None,
         "scores": [],
@@ -41,5 +42,7 @@ def decision(
         "missing_blocks": 0,
         "decide_s": 0.001,
     }
+    if "policy" in fields:
+        values["profile"] = None
     values.update(fields)
     return Decision(**values)

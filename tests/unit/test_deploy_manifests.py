@@ -312,6 +312,28 @@ def test_the_shared_config_names_the_in_cluster_nats(overlay: tuple[str, list[Ob
     assert config["ELDR_MIGRATE_ON_START"] == "false", "the Job migrates"
 
 
+def test_routers_and_the_trainer_read_one_routing_profile(overlay: tuple[str, list[Obj]]) -> None:
+    """The trainer's shadow gate judges a refit by routing as the routers do: both take the
+    routing profile from the shared ConfigMap, and neither overrides it."""
+    objects = overlay[1]
+    config = of_kind(objects, "ConfigMap")["eldr-config"]["data"]
+    routing = {"ELDR_ROUTING_PROFILE", "ELDR_POLICY", "ELDR_TAU", "ELDR_LOAD_MEASURE"}
+    assert "ELDR_ROUTING_PROFILE" in config
+    env = {k: v for k, v in config.items() if k in routing}
+    router = RouterSettings(**{k.removeprefix("ELDR_").lower(): v for k, v in env.items()})
+    trainer = TrainerSettings(**{k.removeprefix("ELDR_").lower(): v for k, v in env.items()})
+    assert router.routing_profile == trainer.routing_profile
+    seen = set()
+    for obj, _, c in eldr_workloads(objects):
+        name = obj["metadata"]["name"]
+        if name.endswith(("router", "trainer")):
+            seen.add(name.rsplit("-", 1)[-1])
+            refs = [r["configMapRef"]["name"] for r in c.get("envFrom", []) if "configMapRef" in r]
+            assert "eldr-config" in refs, name
+            assert not {e["name"] for e in c.get("env", [])} & routing, name
+    assert seen == {"router", "trainer"}
+
+
 def test_prod_requires_tls_and_authentication_to_nats_by_default(prod: list[Obj]) -> None:
     """Issue 15, finding 12: TLS to NATS (CA from a Secret) and NATS users required by
     default in the production overlay; the NATS values serve TLS from a Secret."""

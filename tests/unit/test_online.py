@@ -13,15 +13,16 @@ from eldr.core.routing.online import (
     DriftMonitor,
     DriftThresholds,
     ShadowResult,
-    band_assignment,
     holdout_mask,
     modelled_union,
     occupancy_skew,
     per_token_activation,
     promotion_verdict,
     refit_trigger,
+    shadow_assignment,
     shadow_evaluate,
 )
+from eldr.core.routing.profile import EldrCostProfile, EldrProfile, JsqProfile, ProfileBase
 from eldr.core.signature.signature import Calibration
 from eldr.core.workload.trace import ModelGeometry
 
@@ -140,11 +141,37 @@ def test_only_a_held_out_baseline_is_taken_from_a_fits_metrics() -> None:
 # --- shadow evaluation --------------------------------------------------------------------
 
 
-def test_band_assignment_keeps_to_the_band_and_balances_within_it() -> None:
-    scores = np.array([[0.9, 0.85, 0.1]] * 6)
-    groups = band_assignment(scores, tau=0.1)
-    assert set(groups.tolist()) == {0, 1}
-    assert np.bincount(groups, minlength=3).tolist() == [3, 3, 0]
+def test_the_shadow_routes_with_the_profile_it_is_given() -> None:
+    rng = np.random.default_rng(3)
+    prefill = np.concatenate([topic_counts(rng, t, 8) for t in (0, 1)])
+    workers = ("a", "b", "c", "d")
+    partition = topic_partition([0, 1, 2, 3], workers)
+
+    def sent(profile: ProfileBase) -> list[int]:
+        groups = shadow_assignment(
+            partition, prefill, workers, profile=profile, batch=8, num_moe_layers=L
+        )
+        return list(np.bincount(groups, minlength=4).tolist())
+
+    # The band rule at tau 0: each request to its topic's worker; JSQ ignores topics.
+    assert sent(EldrProfile(tau=0.0)) == [8, 8, 0, 0]
+    assert sent(JsqProfile()) == [4, 4, 4, 4]
+
+
+def test_the_shadow_of_the_cost_aware_profile_reads_predicted_activity() -> None:
+    rng = np.random.default_rng(4)
+    prefill = np.concatenate([topic_counts(rng, t, 16) for t in (0, 1)])[rng.permutation(32)]
+    workers = ("a", "b")
+    partition = topic_partition([0, 1], workers)
+    groups = shadow_assignment(
+        partition, prefill, workers, profile=EldrCostProfile(), batch=16, num_moe_layers=L
+    )
+    topic = prefill[:, 0:2].sum(axis=1) > prefill[:, 2:4].sum(axis=1)
+    # No partition bonus: what keeps each topic's requests together is the activity the
+    # requests already on a worker are predicted to have.
+    for members in (groups[topic], groups[~topic]):
+        assert np.mean(members == np.bincount(members).argmax()) > 0.8
+    assert set(groups[topic]) != set(groups[~topic])
 
 
 def test_identical_requests_cost_their_own_union() -> None:
@@ -181,11 +208,16 @@ def test_a_partition_that_matches_the_topics_wins_the_shadow_evaluation() -> Non
     act = per_token_activation(decode, L)
     # tau 0: each request to its best-scoring worker (tau > 0 widens a one-member band to
     # the two best, which sends about half of each topic to a random second-best worker).
-    result = shadow_evaluate(bad, good, prefill, act, workers, batch=8, num_moe_layers=L, tau=0.0)
+    tau0 = EldrProfile(tau=0.0)
+    result = shadow_evaluate(
+        bad, good, prefill, act, workers, profile=tau0, batch=8, num_moe_layers=L
+    )
     assert result.n_eval == 64
     assert result.candidate_union < result.active_union
     assert result.change < 0
-    again = shadow_evaluate(good, good, prefill, act, workers, batch=8, num_moe_layers=L)
+    again = shadow_evaluate(
+        good, good, prefill, act, workers, profile=EldrProfile(), batch=8, num_moe_layers=L
+    )
     assert again.change == pytest.approx(0.0)
 
 

@@ -12,13 +12,13 @@ from eldr.core.routing.policies import (
     FleetView,
     JoinShortestQueue,
     LocalityBand,
-    PolicySpec,
     PowerOfTwoChoices,
     RandomChoice,
     RoundRobin,
     locality_band,
     make_policy,
 )
+from eldr.core.routing.profile import EldrProfile, profile_from_params
 
 scores_st = arrays(
     np.float64,
@@ -82,7 +82,7 @@ def test_locality_band_picks_a_least_loaded_band_member(
     data: tuple[np.ndarray, np.ndarray], tau: float, seed: int
 ) -> None:
     scores, loads = data
-    policy = LocalityBand(tau=tau)
+    policy = LocalityBand(EldrProfile(tau=tau))
     choice = policy.choose(view(scores.size, loads.tolist(), scores), np.random.default_rng(seed))
     band = locality_band(scores, tau)
     assert choice.index in band
@@ -112,11 +112,15 @@ def test_locality_band_uses_kv_tokens_when_asked() -> None:
         scores=np.array([0.9, 0.89]),
     )
     assert (
-        LocalityBand(tau=0.1, load_measure="kv_tokens").choose(v, np.random.default_rng(0)).index
+        LocalityBand(EldrProfile(tau=0.1, load_measure="kv_tokens"))
+        .choose(v, np.random.default_rng(0))
+        .index
         == 1
     )
     assert (
-        LocalityBand(tau=0.1, load_measure="requests").choose(v, np.random.default_rng(0)).index
+        LocalityBand(EldrProfile(tau=0.1, load_measure="requests"))
+        .choose(v, np.random.default_rng(0))
+        .index
         == 0
     )
 
@@ -159,9 +163,9 @@ def test_random_policy_is_deterministic_for_a_seed() -> None:
 
 def test_make_policy_rejects_unknown_names_and_bad_tau() -> None:
     with pytest.raises(ValueError, match="unknown policy"):
-        make_policy(PolicySpec(name="nope"))
+        profile_from_params("nope")
     with pytest.raises(ValueError, match="tau"):
-        make_policy(PolicySpec(name="eldr", tau=-0.1))
+        make_policy(EldrProfile(tau=-0.1))
 
 
 def test_fleet_view_rejects_mismatched_shapes() -> None:

@@ -8,48 +8,52 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from eldr.core.routing.activity import ActivityTable, expert_demand
+from eldr.core.routing.activity import ActivityTable, ActivityView, ExpertDemand, expert_demand
 from eldr.core.routing.policies import (
-    DEFAULT_POLICY,
-    PAPER_POLICY,
+    POLICIES,
     BoundedBand,
     FleetView,
     LocalityBand,
     MarginalUnion,
-    PolicySpec,
     make_policy,
+)
+from eldr.core.routing.profile import (
+    DEFAULT_PROFILE,
+    PAPER_PROFILE,
+    PROFILE_TYPES,
+    EldrBoundedProfile,
+    EldrCostProfile,
+    EldrProfile,
+    profile_from_params,
 )
 
 L, E = 2, 8
 RNG = np.random.default_rng(0)
 
 
-def demand(*experts: int, tokens: int = 10) -> np.ndarray:
-    counts = np.zeros((L, E))
+def demand(*experts: int, tokens: int = 10, layers: int = L) -> ExpertDemand:
+    counts = np.zeros((layers, E))
     for e in experts:
         counts[:, e] = tokens
-    return expert_demand(counts).probability()
+    return expert_demand(counts)
 
 
 def activity_view(
-    batches: dict[str, list[tuple[int, ...]]], workers: tuple[str, ...]
-) -> np.ndarray:
+    batches: dict[str, list[tuple[int, ...]]], workers: tuple[str, ...], layers: int = L
+) -> ActivityView:
     table = ActivityTable()
     n = 0
     for w, requests in batches.items():
         for experts in requests:
-            counts = np.zeros((L, E))
-            for e in experts:
-                counts[:, e] = 10
-            table.add(w, f"r{n}", expert_demand(counts), 0.0)
+            table.add(w, f"r{n}", demand(*experts, layers=layers), 0.0)
             n += 1
-    miss = table.miss_view(workers)
-    assert miss is not None
-    return miss
+    view = table.view(workers)
+    assert view is not None
+    return view
 
 
 def cost_view(
-    loads: list[int], miss: np.ndarray | None, req: np.ndarray | None, **kw: np.ndarray
+    loads: list[int], miss: ActivityView | None, req: ExpertDemand | None, **kw: np.ndarray
 ) -> FleetView:
     n = np.array(loads, dtype=np.int64)
     return FleetView(
@@ -63,11 +67,17 @@ def cost_view(
 
 
 def test_the_default_policy_is_cost_aware_and_the_paper_rule_stays_selectable() -> None:
-    assert DEFAULT_POLICY == "eldr_cost"
-    assert isinstance(make_policy(PolicySpec(name=DEFAULT_POLICY)), MarginalUnion)
-    paper = make_policy(PolicySpec(name=PAPER_POLICY, tau=0.1))
+    assert EldrCostProfile() == DEFAULT_PROFILE
+    assert isinstance(make_policy(DEFAULT_PROFILE), MarginalUnion)
+    paper = make_policy(PAPER_PROFILE)
     assert type(paper) is LocalityBand
-    assert paper.params()["tau"] == 0.1
+    assert paper.profile == EldrProfile(tau=0.1)  # the paper's band width
+
+
+def test_every_profile_type_has_exactly_one_policy_class() -> None:
+    assert set(POLICIES) >= set(PROFILE_TYPES.values())
+    for profile_type in PROFILE_TYPES.values():
+        assert make_policy(profile_type()).profile == profile_type()
 
 
 def test_cost_aware_sends_a_request_where_its_experts_are_already_active() -> None:
@@ -84,18 +94,32 @@ def test_cost_aware_prefers_an_idle_worker_to_a_busy_one_with_other_experts() ->
     assert choice.index == 1
 
 
+counts_st = arrays(np.int64, (L, E), elements=st.integers(0, 6)).filter(lambda c: c.any())
+
+
 @given(
-    arrays(np.float64, (3, L * E), elements=st.floats(0.0, 1.0)),
-    arrays(np.float64, (L * E,), elements=st.floats(0.0, 1.0)),
+    st.lists(st.tuples(counts_st, st.integers(0, 2)), max_size=6),
+    counts_st,
     arrays(np.int64, (3,), elements=st.integers(0, 50)),
 )
 def test_cost_is_the_union_now_plus_what_every_request_pays_for_the_new_one(
-    miss: np.ndarray, req: np.ndarray, loads: np.ndarray
+    held: list[tuple[np.ndarray, int]], request: np.ndarray, loads: np.ndarray
 ) -> None:
-    cost = MarginalUnion().costs(cost_view(loads.tolist(), miss, req))
+    table = ActivityTable()
+    workers = ("w0", "w1", "w2")
+    for n, (counts, w) in enumerate(held):
+        table.add(workers[w], f"r{n}", expert_demand(counts), 0.0)
+    view = table.view(workers)
+    req = expert_demand(request)
+    if view is None:  # nothing held: no activity tracked yet
+        cost = MarginalUnion().costs(cost_view(loads.tolist(), None, req))
+        np.testing.assert_allclose(cost, (loads + 1) * req.probability().sum(), rtol=1e-12)
+        return
+    cost = MarginalUnion().costs(cost_view(loads.tolist(), view, req))
+    miss, p = view.miss(), req.probability()
     for i in range(3):
         union = float((1.0 - miss[i]).sum())
-        added = float((miss[i] * req).sum())
+        added = float((miss[i] * p).sum())
         assert cost[i] == pytest.approx(union + (loads[i] + 1) * added, rel=1e-9, abs=1e-9)
 
 
@@ -111,23 +135,23 @@ def test_cost_aware_without_activity_is_least_loaded() -> None:
 
 def test_a_locality_weight_adds_the_partition_score_as_a_bonus() -> None:
     view = cost_view([0, 0], None, demand(1), scores=np.array([0.1, 0.9]))
-    assert MarginalUnion(locality_weight=0.0).wants_scores is False
-    weighted = MarginalUnion(locality_weight=5.0)
+    assert MarginalUnion(EldrCostProfile(locality_weight=0.0)).wants_scores is False
+    weighted = MarginalUnion(EldrCostProfile(locality_weight=5.0))
     assert weighted.wants_scores is True
     assert weighted.choose(view, RNG).index == 1
 
 
 def test_make_policy_reads_and_checks_extra_parameters() -> None:
-    p = make_policy(PolicySpec(name="eldr_cost", extra={"locality_weight": 3.0, "top_k": 2}))
+    p = make_policy(profile_from_params("eldr_cost", {"locality_weight": 3.0, "top_k": 2}))
     assert isinstance(p, MarginalUnion)
-    assert (p.locality_weight, p.top_k) == (3.0, 2)
-    b = make_policy(PolicySpec(name="eldr_bounded", extra={"slack": 0.5}))
+    assert p.profile == EldrCostProfile(locality_weight=3.0, top_k=2)
+    b = make_policy(profile_from_params("eldr_bounded", {"slack": 0.5}))
     assert isinstance(b, BoundedBand)
-    assert b.slack == 0.5
+    assert b.profile == EldrBoundedProfile(slack=0.5)
     with pytest.raises(ValueError, match="takes no parameter slack"):
-        make_policy(PolicySpec(name="eldr", extra={"slack": 0.5}))
+        profile_from_params("eldr", {"slack": 0.5})
     with pytest.raises(ValueError, match="prior_tokens"):
-        make_policy(PolicySpec(name="eldr_cost", extra={"prior_tokens": 0.0}))
+        make_policy(EldrCostProfile(prior_tokens=0.0))
 
 
 def band_view(loads: list[int], scores: list[float], has: list[bool] | None = None) -> FleetView:
@@ -144,14 +168,14 @@ def band_view(loads: list[int], scores: list[float], has: list[bool] | None = No
 def test_a_worker_without_a_centroid_joins_the_band_while_it_is_least_loaded() -> None:
     # w2 joined after the partition was fitted: no centroid, so no score.
     view = band_view([5, 6, 0], [0.9, 0.85, -np.inf], [True, True, False])
-    choice = LocalityBand(tau=0.1).choose(view, RNG)
+    choice = LocalityBand(EldrProfile(tau=0.1)).choose(view, RNG)
     assert choice.index == 2
     assert 2 in choice.band
 
 
 def test_a_worker_without_a_centroid_stays_out_once_it_is_as_loaded_as_the_band() -> None:
     view = band_view([5, 6, 5], [0.9, 0.85, -np.inf], [True, True, False])
-    choice = LocalityBand(tau=0.1).choose(view, RNG)
+    choice = LocalityBand(EldrProfile(tau=0.1)).choose(view, RNG)
     assert choice.index == 0
     assert 2 not in choice.band
 
@@ -159,14 +183,16 @@ def test_a_worker_without_a_centroid_stays_out_once_it_is_as_loaded_as_the_band(
 def test_the_bounded_band_skips_members_loaded_beyond_the_bound() -> None:
     # w0 is the best match but holds far more than the mean: its neighbour w1 takes it.
     view = band_view([30, 10, 10, 10], [0.95, 0.9, 0.2, 0.1])
-    assert LocalityBand(tau=0.0, widen_to=1).choose(view, RNG).index == 0
-    assert BoundedBand(tau=0.0, widen_to=1, slack=0.1).choose(view, RNG).index == 1
+    assert LocalityBand(EldrProfile(tau=0.0, widen_to=1)).choose(view, RNG).index == 0
+    assert (
+        BoundedBand(EldrBoundedProfile(tau=0.0, widen_to=1, slack=0.1)).choose(view, RNG).index == 1
+    )
 
 
 def test_fleet_view_checks_the_activity_shapes() -> None:
-    with pytest.raises(ValueError, match="expert_miss"):
-        cost_view([1, 1], np.ones((3, L * E)), demand(1))
-    with pytest.raises(ValueError, match="columns"):
-        cost_view([1, 1], np.ones((2, 4)), demand(1))
+    with pytest.raises(ValueError, match="expert_miss has 3 rows"):
+        cost_view([1, 1], activity_view({"w0": [(1,)]}, ("w0", "w1", "w2")), demand(1))
+    with pytest.raises(ValueError, match="the demand"):
+        cost_view([1, 1], activity_view({"w0": [(1,)]}, ("w0", "w1"), layers=L + 1), demand(1))
     with pytest.raises(ValueError, match="has_centroid"):
         band_view([1, 1], [0.1, 0.2], [True])

@@ -62,7 +62,7 @@ def feed(state: TrainerState, n: int, *, start: int = 0, ts_s: float = 0.0) -> N
 
 def refit(state: TrainerState, trigger: str, *, now_s: float = 1.0) -> None:
     selection = state.select(now_s=now_s, live=WORKERS, k=None, trigger=trigger)
-    state.apply(plan_refit(selection, state.active, config=CONFIG, in_flight={}, tau=0.1))
+    state.apply(plan_refit(selection, state.active, config=CONFIG, in_flight={}))
 
 
 # --- the requests ----------------------------------------------------------------------------
@@ -109,7 +109,7 @@ def test_with_too_few_recent_requests_a_drift_refit_fits_on_the_whole_window() -
 def test_the_first_version_is_promoted_without_a_gate_and_fitted_on_every_request() -> None:
     state = fed(60)
     selection = state.select(now_s=1.0, live=WORKERS, k=None, trigger="schedule")
-    result = plan_refit(selection, None, config=CONFIG, in_flight={}, tau=0.1)
+    result = plan_refit(selection, None, config=CONFIG, in_flight={})
     assert result.promote
     assert result.ungated == "no active version"
     assert (result.n_held_out, result.shadow) == (0, None)
@@ -122,7 +122,7 @@ def test_a_gated_refit_holds_out_requests_and_judges_by_the_shadow() -> None:
     refit(state, "request")
     feed(state, 60, start=100)
     selection = state.select(now_s=1.0, live=WORKERS, k=None, trigger="schedule")
-    result = plan_refit(selection, state.active, config=CONFIG, in_flight={}, tau=0.1)
+    result = plan_refit(selection, state.active, config=CONFIG, in_flight={})
     assert result.ungated == ""
     assert result.n_held_out > 0
     assert result.report.n_train == 120 - result.n_held_out
@@ -137,7 +137,7 @@ def test_churn_refits_are_ungated_and_name_who_joined_and_left() -> None:
     refit(state, "request")
     live = ("dw0", "dw1", "dw9")
     selection = state.select(now_s=1.0, live=live, k=None, trigger="churn")
-    result = plan_refit(selection, state.active, config=CONFIG, in_flight={}, tau=0.1)
+    result = plan_refit(selection, state.active, config=CONFIG, in_flight={})
     assert result.promote
     assert result.ungated == "the workers differ from version 1's (joined: dw9; left: dw2)"
     assert result.partition.workers == live
@@ -149,7 +149,7 @@ def test_too_few_held_out_requests_reject_a_gated_candidate() -> None:
     refit(state, "request")
     feed(state, 10, start=100)
     selection = state.select(now_s=1.0, live=WORKERS, k=None, trigger="schedule")
-    result = plan_refit(selection, state.active, config=config, in_flight={}, tau=0.1)
+    result = plan_refit(selection, state.active, config=config, in_flight={})
     assert not result.promote
     assert "a shadow evaluation needs 10000" in result.verdict.reason
 
@@ -162,7 +162,7 @@ def test_a_checkpoint_that_aborts_ends_the_refit_before_any_verdict() -> None:
         raise FitAborted("the fit took longer than fit_timeout_s=1 s")
 
     with pytest.raises(FitFailed, match=r"fit abandoned after .* \(60 requests, 3 workers\)"):
-        plan_refit(selection, None, config=CONFIG, in_flight={}, tau=0.1, checkpoint=stop)
+        plan_refit(selection, None, config=CONFIG, in_flight={}, checkpoint=stop)
 
 
 def test_the_shadow_batch_is_the_setting_else_the_mean_in_flight_but_at_least_eight() -> None:
@@ -181,7 +181,7 @@ def test_only_a_promoted_drift_refit_moves_the_drift_cut() -> None:
     assert state.drift_cut_s == -math.inf
     feed(state, 60, start=100, ts_s=50.0)
     selection = state.select(now_s=55.0, live=WORKERS, k=None, trigger="drift")
-    result = plan_refit(selection, state.active, config=config, in_flight={}, tau=0.1)
+    result = plan_refit(selection, state.active, config=config, in_flight={})
     state.apply(result)
     assert state.drift_cut_s == (45.0 if result.promote else -math.inf)
     assert result.drift_cut_s == state.drift_cut_s

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from eldr.core.partition.partition import Partition
 from eldr.core.routing.decide import DecisionRng, RouterCore, RouteRequest
 from eldr.core.routing.loadtable import LoadTable, Report
-from eldr.core.routing.policies import PolicySpec
+from eldr.core.routing.profile import as_routing_profile, params_taken, profile_from_params
 from eldr.core.signature.signature import Calibration
 from eldr.data.profiles import load_catalog
 from eldr.partitions.codec import partition_to_blob
@@ -61,10 +61,17 @@ def counts(topic: int, noise: int = 0, extra: int = 0) -> np.ndarray:
 
 
 def record(
-    core: RouterCore, req: RouteRequest, ts_s: float, router_id: str = "r1", rng_seed: bool = True
+    core: RouterCore,
+    req: RouteRequest,
+    ts_s: float,
+    router_id: str = "r1",
+    rng_seed: bool = True,
+    typed: bool = True,
 ) -> Decision:
-    """What the router service commits for a decision (services/router/service.py)."""
+    """What the router service commits for a decision (services/router/service.py);
+    `typed` False: as routers before Decision v3 wrote it (untyped `params`)."""
     out = core.decide(req, 0.0)
+    profile = {"profile": as_routing_profile(out.profile)} if typed else {}
     return Decision(
         request_id=req.request_id,
         ts_s=ts_s,
@@ -72,7 +79,9 @@ def record(
         model=req.model,
         worker_id=out.worker_id,
         policy=out.policy,
-        params=out.params,
+        params={} if typed else out.profile.params(),
+        **profile,  # type: ignore[arg-type]
+        v=3 if typed else 2,
         partition_version=out.partition_version,
         fallback=out.fallback,
         scores=list(out.scores),
@@ -93,7 +102,8 @@ def router(
     table = LoadTable()
     for w, running in loads.items():
         table.on_report(Report(w, "x", 1, running, 0, running * 100), 0.0)
-    core = RouterCore(PolicySpec(policy, tau=tau), table, np.random.default_rng(seed))
+    profile = profile_from_params(policy, params_taken(policy, {"tau": tau}))
+    core = RouterCore(profile, table, np.random.default_rng(seed))
     core.set_partition(partition(tuple(loads)))
     return core
 
@@ -142,6 +152,19 @@ def test_every_decision_reproduces_from_its_record(policy, tau, loads, topics, s
         core.table.on_assignment(d.worker_id, d.request_id, 10, 0.0)
         result = reproduce_decision(d, p if d.partition_version else None, DecisionRng())
         assert result.status == "reproduced", result.detail
+
+
+@pytest.mark.parametrize("policy", ["eldr", "eldr_bounded", "jsq", "p2c", "random"])
+def test_records_from_before_typed_profiles_replay_through_the_same_mapping(policy: str) -> None:
+    core = router({"d0": 2, "d1": 0, "d2": 1, "d3": 0}, policy, 0.3, seed=4)
+    for i in range(8):
+        d = record(core, RouteRequest(f"r{i}", "m", 10, counts(i % 4, i, i)), T0 + i, typed=False)
+        assert d.profile is None
+        assert d.v == 2
+        assert d.routing_profile == core.profile
+        core.table.on_assignment(d.worker_id, d.request_id, 10, 0.0)
+        partition = core.partition if d.partition_version else None
+        assert reproduce_decision(d, partition, DecisionRng()).status == "reproduced"
 
 
 def test_cost_aware_decisions_replay_on_a_rebuilt_activity_table() -> None:
@@ -271,7 +294,7 @@ def stream_of_decisions(n: int, tau: float, *, period_s: float = 0.1) -> list[De
 
 def test_tau_zero_sends_requests_to_their_best_centroid_and_raises_similarity() -> None:
     decisions = stream_of_decisions(40, tau=1.5)  # a band of everyone: load decides
-    report = replay(log_of(decisions), ReplayConfig(tau=0.0))
+    report = replay(log_of(decisions), ReplayConfig(params=(("tau", 0.0),)))
     cf = report.counterfactual
     assert report.reproduction.reproduced == 40
     assert cf is not None
@@ -364,6 +387,16 @@ def test_explain_says_why_the_band_held_its_members_and_why_the_winner_won() -> 
     assert "d1 had the least load in the band: 1 in-flight request" in text
     assert "JSQ on in-flight requests) would have chosen" in text
     assert "reproduced" in text
+
+
+def test_explain_reports_the_load_bound_the_bounded_band_computed() -> None:
+    core = router({"d0": 9, "d1": 0, "d2": 0, "d3": 0}, "eldr_bounded", 0.1)
+    d = record(core, RouteRequest("q", "m", 10, counts(0)), T0)
+    explained = explain(d, core.partition)
+    # mean 2.25: bound (1 + 0.1) x 2.25 + 1 = 3.5, so d0 (the best centroid) is not eligible
+    assert "slack 0.1) x mean + 1 = 3.5 were eligible (not: d0)" in explained.band_reason
+    assert d.worker_id != "d0"
+    assert explained.params == {"load_measure": "requests", "tau": 0.1, "widen_to": 2, "slack": 0.1}
 
 
 def test_explain_names_a_tie_and_the_seed_that_broke_it() -> None:

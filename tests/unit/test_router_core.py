@@ -8,7 +8,7 @@ import pytest
 from eldr.core.partition.partition import Partition
 from eldr.core.routing.decide import NoLiveWorkersError, RouterCore, RouteRequest
 from eldr.core.routing.loadtable import LoadTable, Report
-from eldr.core.routing.policies import PolicySpec
+from eldr.core.routing.profile import EldrCostProfile, params_taken, profile_from_params
 from eldr.core.signature.signature import Calibration
 
 L, E = 2, 4
@@ -61,7 +61,8 @@ def counts_for(experts: list[int]) -> np.ndarray:
 
 
 def core(policy="eldr", tau=0.0, *workers) -> RouterCore:
-    rc = RouterCore(PolicySpec(name=policy, tau=tau), table(*workers), np.random.default_rng(0))
+    profile = profile_from_params(policy, params_taken(policy, {"tau": tau}))
+    rc = RouterCore(profile, table(*workers), np.random.default_rng(0))
     return rc
 
 
@@ -136,7 +137,7 @@ def test_no_live_worker_raises() -> None:
 def test_switching_to_a_bad_policy_keeps_the_old_one() -> None:
     rc = core("eldr", 0.1, ("a", 0))
     with pytest.raises(ValueError, match="unknown policy"):
-        rc.set_policy(PolicySpec(name="bogus"))
+        rc.set_profile(profile_from_params("bogus"))
     assert rc.policy.name == "eldr"
 
 
@@ -150,7 +151,7 @@ def test_activity_never_exceeds_in_flight_plus_slack_when_finishes_are_lost() ->
     # A worker reporting 2 requests in flight holds at most 2 + slack entries however many
     # assignments whose finish never arrives pile up (the oldest go first).
     t = table(("a", 2))
-    rc = RouterCore(PolicySpec(name="eldr_cost"), t, np.random.default_rng(0), activity_slack=1)
+    rc = RouterCore(EldrCostProfile(), t, np.random.default_rng(0), activity_slack=1)
     for i in range(50):
         rc.note_assignment("a", f"r{i}", demand_counts(i % E), 4, now_s=float(i))
         t.on_report(
@@ -173,7 +174,7 @@ def test_activity_never_exceeds_in_flight_plus_slack_when_finishes_are_lost() ->
 
 def test_a_finished_request_leaves_both_tables_and_a_late_decision_is_ignored() -> None:
     t = table(("a", 0), ("b", 0))
-    rc = RouterCore(PolicySpec(name="eldr_cost"), t, np.random.default_rng(0))
+    rc = RouterCore(EldrCostProfile(), t, np.random.default_rng(0))
     t.on_assignment("a", "r", 4, now_s=0.0)
     rc.note_assignment("a", "r", demand_counts(1), 4, now_s=0.0)
     assert t.in_flight("a") == 1
@@ -188,7 +189,7 @@ def test_a_finished_request_leaves_both_tables_and_a_late_decision_is_ignored() 
 
 def test_a_moved_request_leaves_its_first_worker_at_once() -> None:
     t = table(("a", 0), ("b", 0))
-    rc = RouterCore(PolicySpec(name="eldr_cost"), t, np.random.default_rng(0))
+    rc = RouterCore(EldrCostProfile(), t, np.random.default_rng(0))
     t.on_assignment("a", "r", 4, now_s=0.0)
     rc.note_assignment("a", "r", demand_counts(1), 4, now_s=0.0)
     assert rc.note_moved("r", "b", now_s=0.1)

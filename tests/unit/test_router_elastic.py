@@ -9,7 +9,7 @@ import eldr.core.routing.decide as router_module
 from eldr.core.partition.partition import Partition
 from eldr.core.routing.decide import RouterCore, RouteRequest
 from eldr.core.routing.loadtable import LoadTable, Report
-from eldr.core.routing.policies import PolicySpec
+from eldr.core.routing.profile import EldrCostProfile, EldrProfile
 from eldr.core.signature.signature import Calibration
 
 L, E = 2, 4
@@ -53,7 +53,7 @@ def request(rid: str, *experts: int) -> RouteRequest:
 
 def test_a_departed_workers_cluster_goes_to_a_live_worker() -> None:
     # b left: its centroid must not attract anything, and nothing falls back to load-only.
-    core = RouterCore(PolicySpec("eldr", tau=0.0), table(("a", 3)), np.random.default_rng(0))
+    core = RouterCore(EldrProfile(tau=0.0), table(("a", 3)), np.random.default_rng(0))
     core.set_partition(partition())
     out = core.decide(request("r", 2, 3), now_s=0.0)
     assert out.worker_id == "a"
@@ -63,7 +63,7 @@ def test_a_departed_workers_cluster_goes_to_a_live_worker() -> None:
 
 def test_a_new_worker_without_a_centroid_gets_traffic_before_any_refit() -> None:
     core = RouterCore(
-        PolicySpec("eldr", tau=0.1), table(("a", 3), ("b", 3), ("c", 0)), np.random.default_rng(0)
+        EldrProfile(tau=0.1), table(("a", 3), ("b", 3), ("c", 0)), np.random.default_rng(0)
     )
     core.set_partition(partition())
     out = core.decide(request("r", 0, 1), now_s=0.0)
@@ -73,7 +73,7 @@ def test_a_new_worker_without_a_centroid_gets_traffic_before_any_refit() -> None
 
 
 def test_cost_aware_routing_follows_the_activity_of_every_replicas_decisions() -> None:
-    core = RouterCore(PolicySpec("eldr_cost"), table(("a", 2), ("b", 2)), np.random.default_rng(0))
+    core = RouterCore(EldrCostProfile(), table(("a", 2), ("b", 2)), np.random.default_rng(0))
     # Decisions seen on the stream: a decodes expert-0 requests, b expert-3 ones.
     core.note_assignment("a", "x1", counts_for(0), 3, now_s=0.0)
     core.note_assignment("a", "x2", counts_for(0), 3, now_s=0.0)
@@ -88,7 +88,7 @@ def test_cost_aware_routing_follows_the_activity_of_every_replicas_decisions() -
 
 
 def test_finished_requests_stop_weighing_on_their_worker() -> None:
-    core = RouterCore(PolicySpec("eldr_cost"), table(("a", 0), ("b", 0)), np.random.default_rng(0))
+    core = RouterCore(EldrCostProfile(), table(("a", 0), ("b", 0)), np.random.default_rng(0))
     for i in range(3):
         core.note_assignment("a", f"x{i}", counts_for(1), 3, now_s=0.0)
     assert core.activity.requests_on("a") == 3
@@ -99,7 +99,7 @@ def test_finished_requests_stop_weighing_on_their_worker() -> None:
 
 
 def test_cost_aware_routing_without_a_signature_is_load_only_and_says_why() -> None:
-    core = RouterCore(PolicySpec("eldr_cost"), table(("a", 5), ("b", 1)), np.random.default_rng(0))
+    core = RouterCore(EldrCostProfile(), table(("a", 5), ("b", 1)), np.random.default_rng(0))
     out = core.decide(
         RouteRequest("r", "m", 3, counts=None, signature_error="signature_timeout"), 0.0
     )
@@ -111,7 +111,7 @@ def test_interleaved_decisions_count_each_request_once_with_the_demand_it_was_de
 ) -> None:
     """Decisions are awaited concurrently in the service: r1 and r2 are decided before
     either assignment is noted, and each is seen again on the decisions stream."""
-    core = RouterCore(PolicySpec("eldr_cost"), table(("a", 0), ("b", 0)), np.random.default_rng(0))
+    core = RouterCore(EldrCostProfile(), table(("a", 0), ("b", 0)), np.random.default_rng(0))
     computed = []
     real = router_module.request_demand
 

@@ -7,6 +7,7 @@ import pytest
 
 from eldr.core.costmodel import CostProfile, GpuProfile, ModelProfile
 from eldr.core.routing.policies import JoinShortestQueue, LocalityBand, RoundRobin
+from eldr.core.routing.profile import EldrProfile
 from eldr.sim.cluster import SimConfig, SimRequest, flatten_decode_ids, simulate
 
 E = 8
@@ -116,5 +117,7 @@ def test_locality_policy_needs_scores() -> None:
 def test_locality_policy_routes_by_score() -> None:
     reqs = [request("a", [[0, 0]] * 5), request("b", [[7, 7]] * 5)]
     scores = np.array([[1.0, 0.0], [0.0, 1.0]], dtype=np.float32)
-    res = run(reqs, [0, 1, 0, 1], LocalityBand(tau=0.0), n_workers=2, rate=1.0, scores=scores)
+    res = run(
+        reqs, [0, 1, 0, 1], LocalityBand(EldrProfile(tau=0.0)), n_workers=2, rate=1.0, scores=scores
+    )
     assert res.worker_of.tolist() == [0, 1, 0, 1]

@@ -8,6 +8,7 @@ import pytest
 from eldr.core.costmodel import CostProfile, GpuProfile, ModelProfile
 from eldr.core.routing.activity import expert_demand
 from eldr.core.routing.policies import JoinShortestQueue, LocalityBand, MarginalUnion, RoundRobin
+from eldr.core.routing.profile import EldrProfile
 from eldr.sim.cluster import (
     FleetEvent,
     ScoreUpdate,
@@ -97,7 +98,11 @@ def test_a_controller_swaps_the_partition_mid_run() -> None:
     initial[:, 0] = 1.0
     swapper = Swapper(len(reqs))
     res = run(
-        LocalityBand(tau=0.0), reqs=reqs, scores=initial, scores_version=1, controller=swapper
+        LocalityBand(EldrProfile(tau=0.0)),
+        reqs=reqs,
+        scores=initial,
+        scores_version=1,
+        controller=swapper,
     )
     assert res.swaps == [(pytest.approx(0.35), 2)]
     before = res.assigned_s < 0.35

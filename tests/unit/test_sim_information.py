@@ -18,6 +18,7 @@ from eldr.core.routing.policies import (
     PowerOfTwoChoices,
     RoundRobin,
 )
+from eldr.core.routing.profile import JsqProfile
 from eldr.sim.cluster import SimConfig, SimRequest, SimResult, flatten_decode_ids, simulate
 from eldr.sim.information import LIVE_DEFAULTS, InformationModel, split_arrivals
 
@@ -101,7 +102,7 @@ def same(a: SimResult, b: SimResult) -> None:
         RoundRobin,
         JoinShortestQueue,
         PowerOfTwoChoices,
-        lambda: JoinShortestQueue(load_measure="kv_tokens"),
+        lambda: JoinShortestQueue(JsqProfile(load_measure="kv_tokens")),
         LocalityBand,
         MarginalUnion,
     ],

@@ -21,6 +21,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from eldr.core.routing.profile import (
+    PROFILE_TYPES,
+    EldrBoundedProfile,
+    EldrCostProfile,
+    EldrProfile,
+    JsqProfile,
+    profile_from_params,
+)
 from eldr.wire import (
     ALL_MESSAGE_TYPES,
     KIND_OF,
@@ -128,8 +136,8 @@ def canonical_messages() -> dict[type[Message], Message]:
             router_id="router-a",
             model="llama4-maverick",
             worker_id="decode-3",
-            policy="eldr",
-            params={"tau": 0.1, "k": 16, "load_measure": "inflight"},
+            policy="eldr_bounded",
+            profile=EldrBoundedProfile(load_measure="kv_tokens", tau=0.2, widen_to=3, slack=0.25),
             partition_version=4,
             fallback="signature_partial",
             scores=[("decode-3", 0.91), ("decode-1", 0.85)],
@@ -189,11 +197,12 @@ def canonical_messages() -> dict[type[Message], Message]:
             projection=NdArray.from_numpy(np.ones((3, 2), dtype=f32)),
             projection_mean=NdArray.from_numpy(np.zeros(3, dtype=f32)),
         ),
-        RouterControl: RouterControl(policy="eldr", tau=0.2, load_measure="kv_tokens"),
+        RouterControl: RouterControl(profile=EldrCostProfile(locality_weight=60.0, top_k=2)),
         RouterControlReply: RouterControlReply(
             router_id="router-a",
             policy="eldr",
-            params={"tau": 0.2},
+            params=EldrProfile(tau=0.2).params(),
+            profile=EldrProfile(tau=0.2),
             partition_version=4,
             live_workers=16,
             announced_version=5,
@@ -743,6 +752,7 @@ messages = st.one_of(
         tau=st.none() | st.floats(0, 2),
         load_measure=st.none() | ident,
     ),
+    st.builds(RouterControl, profile=st.sampled_from([t() for t in PROFILE_TYPES.values()])),
     st.builds(RefitRequest, reason=st.text(max_size=20), k=st.none() | st.integers(1, 100)),
     st.builds(
         RefitReply,
@@ -816,12 +826,18 @@ def test_a_decision_naming_more_workers_than_readers_accept_cannot_be_built() ->
 
 def test_the_decision_size_bound_holds_for_the_largest_decision() -> None:
     from eldr.core.routing.decide import FALLBACK_REASONS
-    from eldr.core.routing.policies import POLICY_NAMES, PolicySpec, make_policy
     from eldr.wire.messages import decision_bytes_bound
 
     workers, cells = 1024, 16_384
     tokens = [f"{i:04d}".ljust(256, "w") for i in range(workers)]
-    params = max((make_policy(PolicySpec(name=n)).params() for n in POLICY_NAMES), key=len)
+    # The profile that encodes longest, at values of the most digits.
+    profile = max(
+        (
+            EldrCostProfile(locality_weight=1.2345678901234567e-300, prior_tokens=1e-300 / 3),
+            EldrBoundedProfile(tau=0.1234567890123456, slack=1.2345678901234567e-300),
+        ),
+        key=lambda p: len(msgspec.msgpack.encode(p)),
+    )
     dense = np.full((16, cells // 16), 70_000, dtype=np.uint32)  # every cell, uint32
     big = Decision(
         request_id="\U0001f600" * 256,  # 4 bytes per character in UTF-8
@@ -829,8 +845,8 @@ def test_the_decision_size_bound_holds_for_the_largest_decision() -> None:
         router_id="\U0001f600" * 256,
         model="\U0001f600" * 256,
         worker_id=tokens[0],
-        policy="\U0001f600" * 256,
-        params=params,
+        policy=profile.name,
+        profile=profile,
         partition_version=2**62,
         fallback=max(FALLBACK_REASONS, key=len),
         scores=[(t, -1.234567e-29) for t in tokens[:64]],
@@ -847,6 +863,38 @@ def test_the_decision_size_bound_holds_for_the_largest_decision() -> None:
     assert size <= decision_bytes_bound(workers, cells, 64)
     assert decision_bytes_bound(workers, cells, 64) <= 1 << 20  # the router's defaults fit
     assert decode(encode(big), Decision) == big
+
+
+def test_a_decision_records_its_profile_typed_and_older_records_map_onto_one() -> None:
+    typed = canonical_messages()[Decision]
+    assert typed.routing_profile == typed.profile
+    assert decode(encode(typed), Decision).profile == typed.profile
+    old = decode((GOLDEN_DIR / "decision.v2.msgpack").read_bytes(), Decision)
+    assert (old.v, old.profile, old.policy) == (2, None, "eldr")
+    v2 = msgspec.structs.replace(old, params={"tau": 0.2, "load_measure": "kv_tokens"})
+    assert v2.routing_profile == EldrProfile(tau=0.2, load_measure="kv_tokens", widen_to=2)
+    assert v2.routing_profile == profile_from_params("eldr", v2.params)
+    with pytest.raises(ValueError, match="takes no parameter k"):
+        _ = old.routing_profile  # the golden's own params name no real parameter set
+
+
+def test_a_decision_profile_is_validated_on_decode() -> None:
+    raw = _raw(canonical_messages()[Decision])
+    raw["profile"]["tau"] = -1.0
+    with pytest.raises(WireError, match="tau"):
+        decode(msgspec.msgpack.encode(raw), Decision)
+    raw["profile"] = {"policy": "eldr_bounded", "tau": 0.1, "bogus": 1}
+    with pytest.raises(WireError, match="bogus"):
+        decode(msgspec.msgpack.encode(raw), Decision)
+    raw = _raw(canonical_messages()[Decision])
+    raw["policy"] = "jsq"
+    with pytest.raises(WireError, match="names its policy"):
+        decode(msgspec.msgpack.encode(raw), Decision)
+
+
+def test_a_router_control_sets_a_profile_or_the_older_fields_not_both() -> None:
+    with pytest.raises(WireError, match="not both"):
+        RouterControl(policy="eldr", profile=JsqProfile())
 
 
 def test_an_expired_decision_names_no_worker() -> None:

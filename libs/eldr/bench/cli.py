@@ -24,6 +24,7 @@ from eldr.bench import moe_step_bench
 
 if TYPE_CHECKING:
     from eldr.bench.routing_bench import BenchConfig
+    from eldr.core.routing.profile import ProfileBase
     from eldr.core.workload.trace import TraceSet
     from eldr.progress import Progress
 
@@ -61,8 +62,8 @@ def _load_input(args: argparse.Namespace) -> TraceSet:
 
 def _register_bench(subparsers: Any) -> None:
     from eldr.bench import routing_bench
-    from eldr.bench.routing_bench import DECODE_SIGNATURE
-    from eldr.core.routing.policies import DEFAULT_POLICY, PAPER_POLICY
+    from eldr.bench.routing_bench import DECODE_SIGNATURE, DEFAULT_POLICY, PAPER_POLICY
+    from eldr.core.routing.profile import LOAD_MEASURES, PAPER_PROFILE
     from eldr.data.profiles import DEFAULT_PROFILE_FOR_TRACES
     from eldr.sim.information import LIVE_DEFAULTS
 
@@ -83,7 +84,11 @@ def _register_bench(subparsers: Any) -> None:
     )
     p.add_argument("--decoders", type=int, default=16, help="decode workers (default 16)")
     p.add_argument(
-        "--tau", type=float, default=0.1, help="ELDR band width (default 0.1, the paper's)"
+        "--tau",
+        type=float,
+        default=None,
+        help="band width of every band policy run (default: the profile's, "
+        f"{PAPER_PROFILE.band_tau:g}, the paper's)",
     )
     p.add_argument(
         "--policies",
@@ -104,7 +109,13 @@ def _register_bench(subparsers: Any) -> None:
         help="steady: policies x rates (default); drift: the workload mix changes mid-run, "
         "static partition vs online refit; churn: decode workers join and leave mid-run",
     )
-    p.add_argument("--load-measure", choices=("requests", "kv_tokens"), default="requests")
+    p.add_argument(
+        "--load-measure",
+        choices=LOAD_MEASURES,
+        default=None,
+        help="load measure of every policy run that takes one (default: the profiles', "
+        "in-flight requests)",
+    )
     p.add_argument(
         "--profile",
         default=DEFAULT_PROFILE_FOR_TRACES,
@@ -263,11 +274,15 @@ def _run_bench_seeds(
 def _run_online(args: argparse.Namespace) -> int:
     """`eldr bench --scenario drift|churn` (the steady bench's arguments apply)."""
     from eldr.bench.online_bench import OnlineConfig, format_report, run_churn, run_drift
+    from eldr.core.routing.profile import PAPER_PROFILE, profile_from_params
+
+    def with_tau(profile: ProfileBase, tau: float) -> ProfileBase:
+        return profile_from_params(profile.name, {"tau": tau}, keep=profile)
 
     traces = _load_input(args)
     config = OnlineConfig(
         decoders=args.decoders,
-        tau=args.tau,
+        locality=PAPER_PROFILE if args.tau is None else with_tau(PAPER_PROFILE, args.tau),
         arrivals=args.arrivals or 6000,
         max_batch=args.max_batch,
         calibration_fraction=args.calibration_fraction,
@@ -346,7 +361,7 @@ def _run_kmeans(args: argparse.Namespace) -> int:
 
 def _register_pipeline(subparsers: Any) -> None:
     from eldr.bench import pipeline_bench
-    from eldr.core.routing.policies import DEFAULT_POLICY, POLICY_NAMES
+    from eldr.core.routing.profile import DEFAULT_PROFILE, ROUTER_POLICIES
 
     p = subparsers.add_parser(
         "bench-pipeline",
@@ -362,9 +377,9 @@ def _register_pipeline(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--policy",
-        choices=[n for n in POLICY_NAMES if n != "oracle"],
-        default=DEFAULT_POLICY,
-        help=f"routing policy (default: the router's default, {DEFAULT_POLICY})",
+        choices=ROUTER_POLICIES,
+        default=DEFAULT_PROFILE.name,
+        help=f"routing policy (default: the router's default, {DEFAULT_PROFILE.name})",
     )
     p.add_argument(
         "--rss-every", type=float, default=1.0, help="RSS sampling period, seconds (0 = off)"

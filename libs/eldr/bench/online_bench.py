@@ -44,7 +44,13 @@ from eldr.bench.routing_bench import (
 from eldr.core.costmodel import CostProfile
 from eldr.core.partition.partition import Partition, fit_partition
 from eldr.core.routing.online import DriftThresholds, partition_scores
-from eldr.core.routing.policies import DEFAULT_POLICY, PAPER_POLICY, PolicySpec, make_policy
+from eldr.core.routing.policies import make_policy
+from eldr.core.routing.profile import (
+    DEFAULT_PROFILE,
+    LOAD_ONLY_PROFILES,
+    PAPER_PROFILE,
+    ProfileBase,
+)
 from eldr.core.training.config import TrainerConfig
 from eldr.core.training.refit import RefitSkipped, TrainerState, plan_refit
 from eldr.core.training.trainwindow import SparseRow
@@ -69,7 +75,9 @@ MODEL = "bench"
 @dataclass(frozen=True)
 class OnlineConfig:
     decoders: int = 16
-    tau: float = 0.1
+    locality: ProfileBase = PAPER_PROFILE
+    """The band rule of the static, online and reference runs (the paper's by default); the
+    online run's shadow gate routes with it too, as the trainer routes with the routers'."""
     batch_target: float = 32.0
     """Per-worker batch the arrival rate is derived for (Little's law, as `eldr bench`)."""
     arrivals: int = 6000
@@ -118,7 +126,7 @@ class OnlineConfig:
             shadow_holdout_fraction=self.holdout_fraction,
             shadow_min_requests=self.min_holdout,
             shadow_batch=self.batch_target,
-            shadow_tau=self.tau,
+            routing_profile=self.locality,
             drift_window=self.drift_window,
             drift_min_samples=self.drift.min_samples,
             drift_max_similarity_drop=self.drift.max_similarity_drop,
@@ -197,9 +205,7 @@ class OnlineRefitter:
         except RefitSkipped as exc:
             self.events.append(RefitEvent(obs.now_s, trigger, False, None, f"skipped: {exc}"))
             return None
-        result = plan_refit(
-            selection, state.active, config=self.trainer, in_flight={}, tau=self.trainer.shadow_tau
-        )
+        result = plan_refit(selection, state.active, config=self.trainer, in_flight={})
         state.apply(result)
         self.events.append(
             RefitEvent(
@@ -240,7 +246,6 @@ def _setup(traces: TraceSet, config: OnlineConfig) -> _Setup:
 
     bench = BenchConfig(
         decoders=config.decoders,
-        tau=config.tau,
         calibration_fraction=config.calibration_fraction,
         seed=config.seed,
     )
@@ -268,7 +273,7 @@ def _fit(setup: _Setup, idx: np.ndarray, workers: Sequence[str], seed: int) -> P
 def _run(
     setup: _Setup,
     config: OnlineConfig,
-    name: str,
+    profile: ProfileBase,
     arrivals: np.ndarray,
     num_slots: int,
     *,
@@ -277,8 +282,7 @@ def _run(
     timeline: Sequence[FleetEvent] = (),
     initial: tuple[int, ...] | None = None,
 ) -> SimResult:
-    spec = PolicySpec(name=name, tau=config.tau)
-    policy = make_policy(spec)
+    policy = make_policy(profile)
     scores = None
     if partition is not None and policy.wants_scores:
         scores = partition_scores(
@@ -302,7 +306,7 @@ def _run(
         union_slots=geometry.signature_dim,
         scores=scores,
         scores_version=partition.version if partition is not None else -1,
-        demands=setup.prepared.demands(policy) if policy.uses_activity else None,
+        demands=setup.prepared.demands(profile) if policy.uses_activity else None,
         timeline=timeline,
         controller=controller,
     )
@@ -358,19 +362,19 @@ def run_drift(traces: TraceSet, config: OnlineConfig) -> dict[str, Any]:
     ref_pool = _fit(setup, ev_dst, workers, config.seed)
 
     runs: dict[str, SimResult] = {}
-    for name in BASELINES:
-        runs[name] = _run(setup, config, name, arrivals, W)
-    runs[DEFAULT_POLICY] = _run(setup, config, DEFAULT_POLICY, arrivals, W)
-    runs["eldr static"] = _run(setup, config, PAPER_POLICY, arrivals, W, partition=static)
+    for baseline in LOAD_ONLY_PROFILES:
+        runs[baseline.name] = _run(setup, config, baseline, arrivals, W)
+    runs[DEFAULT_PROFILE.name] = _run(setup, config, DEFAULT_PROFILE, arrivals, W)
+    runs["eldr static"] = _run(setup, config, config.locality, arrivals, W, partition=static)
     refitter = OnlineRefitter(prepared, static, config, W)
     runs["eldr online"] = _run(
-        setup, config, PAPER_POLICY, arrivals, W, partition=static, controller=refitter
+        setup, config, config.locality, arrivals, W, partition=static, controller=refitter
     )
     runs["eldr reference (new subject, calibration split)"] = _run(
-        setup, config, PAPER_POLICY, arrivals, W, partition=ref_cal
+        setup, config, config.locality, arrivals, W, partition=ref_cal
     )
     runs["eldr reference (new subject, replayed requests)"] = _run(
-        setup, config, PAPER_POLICY, arrivals, W, partition=ref_pool
+        setup, config, config.locality, arrivals, W, partition=ref_pool
     )
     res0 = runs[BASELINES[0]]
     shift_s = float(res0.assigned_s[half])
@@ -510,15 +514,17 @@ def run_churn(traces: TraceSet, config: OnlineConfig) -> dict[str, Any]:
         setup, prepared.calibration_idx, [worker_name(i) for i in initial], config.seed
     )
     runs: dict[str, SimResult] = {}
-    for name in BASELINES:
-        runs[name] = _run(setup, config, name, arrivals, slots, timeline=timeline, initial=initial)
-    runs[DEFAULT_POLICY] = _run(
-        setup, config, DEFAULT_POLICY, arrivals, slots, timeline=timeline, initial=initial
+    for baseline in LOAD_ONLY_PROFILES:
+        runs[baseline.name] = _run(
+            setup, config, baseline, arrivals, slots, timeline=timeline, initial=initial
+        )
+    runs[DEFAULT_PROFILE.name] = _run(
+        setup, config, DEFAULT_PROFILE, arrivals, slots, timeline=timeline, initial=initial
     )
     runs["eldr static"] = _run(
         setup,
         config,
-        PAPER_POLICY,
+        config.locality,
         arrivals,
         slots,
         partition=partition,
@@ -529,7 +535,7 @@ def run_churn(traces: TraceSet, config: OnlineConfig) -> dict[str, Any]:
     runs["eldr online"] = _run(
         setup,
         config,
-        PAPER_POLICY,
+        config.locality,
         arrivals,
         slots,
         partition=partition,
@@ -592,7 +598,7 @@ def _input_info(
         "batch_target": config.batch_target,
         "arrivals": arrivals,
         "cost_profile": setup.cost.name,
-        "tau": config.tau,
+        "tau": config.locality.band_tau,
         "seed": config.seed,
         "refit_interval_s": config.refit_interval_s,
         "window_s": config.window_s,

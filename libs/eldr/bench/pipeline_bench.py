@@ -40,7 +40,7 @@ import numpy as np
 from eldr.bus import Bus, Delivery, stream_name
 from eldr.bus.topology import DECISIONS
 from eldr.core.partition.partition import fit_partition
-from eldr.core.routing.policies import DEFAULT_POLICY
+from eldr.core.routing.profile import DEFAULT_PROFILE
 from eldr.core.workload.synthetic import SyntheticSpec, generate
 from eldr.core.workload.trace import TraceSet, counts_matrix
 from eldr.dev.stack import SERVICES, Stack, StackConfig
@@ -66,8 +66,8 @@ class PipelineConfig:
     namespace: str | None = None
     state_dir: Path = Path(".eldr")
     rss_every_s: float = 1.0
-    policy: str = DEFAULT_POLICY
-    """The routers' policy (`ELDR_POLICY`)."""
+    policy: str = DEFAULT_PROFILE.name
+    """The routers' policy, with its default parameters (`ELDR_POLICY`)."""
     """Resident-memory sampling period of every process (0 = off)."""
 
 

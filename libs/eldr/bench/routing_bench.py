@@ -47,7 +47,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,16 +59,18 @@ from eldr.bench.offline_bound import LockstepModel
 from eldr.core.costmodel import CostProfile
 from eldr.core.partition.kmeans import balanced_spherical_kmeans
 from eldr.core.routing.activity import ExpertDemand, expert_demand
-from eldr.core.routing.policies import (
-    DEFAULT_POLICY,
-    LOAD_ONLY_POLICIES,
-    PAPER_POLICY,
-    Choice,
-    FleetView,
+from eldr.core.routing.policies import Choice, FleetView, Policy, make_policy
+from eldr.core.routing.profile import (
+    DEFAULT_PROFILE,
+    LOAD_ONLY_PROFILES,
+    PAPER_PROFILE,
+    EldrBoundedProfile,
+    EldrCostProfile,
     LoadMeasure,
-    Policy,
-    PolicySpec,
-    make_policy,
+    OracleProfile,
+    ProfileBase,
+    params_taken,
+    profile_from_params,
 )
 from eldr.core.signature.signature import Calibration, fit_calibration
 from eldr.core.workload.sizing import expected_step_s, rates_for_batch_targets, stratified_split
@@ -89,7 +91,11 @@ from eldr.sim.information import describe as describe_information
 
 log = logging.getLogger(__name__)
 
-BASELINES: tuple[str, ...] = LOAD_ONLY_POLICIES
+BASELINES: tuple[str, ...] = tuple(p.name for p in LOAD_ONLY_PROFILES)
+DEFAULT_POLICY = DEFAULT_PROFILE.name
+"""Row label of the routers' default profile."""
+PAPER_POLICY = PAPER_PROFILE.name
+"""Row label of the ELDR paper's rule."""
 QUICK_BATCH_TARGETS: tuple[float, ...] = (8.0, 16.0, 32.0)
 FULL_BATCH_TARGETS: tuple[float, ...] = (4.0, 8.0, 16.0, 32.0, 48.0)
 SATURATION_QUEUED_SHARE = 0.01
@@ -110,40 +116,35 @@ OFFLINE_BOUND = "offline_bound"
 
 @dataclass(frozen=True)
 class BenchPolicy:
-    """A policy as the benchmark runs it: a row label and the policy's spec."""
+    """A policy as the benchmark runs it: a row label and the policy's profile."""
 
     label: str
-    spec: PolicySpec
+    profile: ProfileBase
 
 
 def policy_lineup(
-    names: Sequence[str], tau: float, load_measure: str, variants: bool
+    names: Sequence[str], overrides: Mapping[str, object], variants: bool
 ) -> list[BenchPolicy]:
-    """The policies of a run: `names` as given (their own label), plus the variants."""
-    measure: LoadMeasure = "kv_tokens" if load_measure == "kv_tokens" else "requests"
+    """The policies of a run: `names` as given (their own label; DECODE_SIGNATURE is the
+    oracle profile), each with the `overrides` it takes (`BenchConfig.overrides`), plus
+    the variants."""
+
+    def profile(name: str, **fixed: object) -> ProfileBase:
+        return profile_from_params(name, {**params_taken(name, overrides), **fixed})
+
     out = [
-        BenchPolicy(DECODE_SIGNATURE, PolicySpec(name="oracle", tau=tau, load_measure=measure))
-        if n in (DECODE_SIGNATURE, "oracle")
-        else BenchPolicy(n, PolicySpec(name=n, tau=tau, load_measure=measure))
+        BenchPolicy(DECODE_SIGNATURE, profile(OracleProfile().name))
+        if n in (DECODE_SIGNATURE, OracleProfile().name)
+        else BenchPolicy(n, profile(n))
         for n in names
     ]
     if variants:
         out += [
-            BenchPolicy(
-                "eldr@kv_tokens", PolicySpec(name=PAPER_POLICY, tau=tau, load_measure="kv_tokens")
-            ),
-            BenchPolicy(
-                "eldr_bounded",
-                PolicySpec(name="eldr_bounded", tau=tau, load_measure=measure),
-            ),
+            BenchPolicy("eldr@kv_tokens", profile(PAPER_POLICY, load_measure="kv_tokens")),
+            BenchPolicy("eldr_bounded", profile(EldrBoundedProfile().name)),
             BenchPolicy(
                 "eldr_cost+partition",
-                PolicySpec(
-                    name="eldr_cost",
-                    tau=tau,
-                    load_measure=measure,
-                    extra={"locality_weight": LOCALITY_WEIGHT_VARIANT},
-                ),
+                profile(EldrCostProfile().name, locality_weight=LOCALITY_WEIGHT_VARIANT),
             ),
         ]
     return out
@@ -152,8 +153,10 @@ def policy_lineup(
 @dataclass(frozen=True)
 class BenchConfig:
     decoders: int = 16
-    tau: float = 0.1
-    load_measure: str = "requests"
+    tau: float | None = None
+    """Band width of every band policy of the lineup; None: the profiles' own."""
+    load_measure: LoadMeasure | None = None
+    """Load measure of every policy of the lineup that takes one; None: the profiles'."""
     calibration_fraction: float = 0.4
     arrivals_per_rate: int = 3000
     max_batch: int = 256
@@ -174,6 +177,15 @@ class BenchConfig:
     """Also run the baselines, the default and the paper's rule with what a live router
     knows (primary profile only); None: perfect information only."""
 
+    @property
+    def overrides(self) -> dict[str, object]:
+        """The profile parameters set for the whole lineup (`tau`, `load_measure`)."""
+        pairs = (("tau", self.tau), ("load_measure", self.load_measure))
+        return {k: v for k, v in pairs if v is not None}
+
+    def lineup(self) -> list[BenchPolicy]:
+        return policy_lineup(self.policies, self.overrides, self.variants)
+
 
 @dataclass
 class Prepared:
@@ -191,12 +203,12 @@ class Prepared:
     prefill_counts: np.ndarray | None = None  # float32 [requests, L * E]
     _demands: dict[tuple[int, float], list[ExpertDemand]] = field(default_factory=dict)
 
-    def demands(self, policy: Policy) -> list[ExpertDemand]:
-        """Per request, its predicted per-step expert activation under `policy`'s prior."""
-        params = policy.params()
+    def demands(self, profile: ProfileBase) -> list[ExpertDemand]:
+        """Per request, its predicted per-step expert activation under `profile`'s demand
+        model (top-k 0: the traces' own)."""
         geometry = self.traces.geometry
-        top_k = int(params.get("top_k", 0) or 0) or geometry.top_k
-        prior = float(params.get("prior_tokens", 1.0))
+        top_k, prior = profile.demand_model
+        top_k = top_k or geometry.top_k
         key = (top_k, prior)
         if key not in self._demands:
             assert self.prefill_counts is not None
@@ -304,7 +316,7 @@ def draw_arrivals(
 
 def run_policy(
     prepared: Prepared,
-    spec: PolicySpec,
+    profile: ProfileBase,
     cost: CostProfile,
     rate: float,
     config: BenchConfig,
@@ -312,11 +324,11 @@ def run_policy(
     policy: Policy | None = None,
     information: InformationModel | None = None,
 ) -> SimResult:
-    """Simulate one policy (`policy` overrides `spec`'s) on the given arrivals, with
+    """Simulate one policy (`policy` overrides `profile`'s) on the given arrivals, with
     perfect information or `information`'s delays."""
-    policy = policy or make_policy(spec)
+    policy = policy or make_policy(profile)
     scores: np.ndarray | None = None
-    if spec.name == "oracle":
+    if profile.scores_decode:
         scores = prepared.oracle_scores
     elif policy.wants_scores:
         scores = prepared.scores
@@ -336,7 +348,7 @@ def run_policy(
         num_moe_layers=geometry.num_moe_layers,
         union_slots=geometry.signature_dim,
         scores=scores,
-        demands=prepared.demands(policy) if policy.uses_activity else None,
+        demands=prepared.demands(profile) if policy.uses_activity else None,
         information=information,
     )
 
@@ -352,12 +364,17 @@ def live_lineup(lineup: Sequence[BenchPolicy]) -> list[BenchPolicy]:
     return [bp for bp in lineup if bp.label in INFORMATION_POLICIES]
 
 
+class OfflineBoundProfile(ProfileBase, frozen=True, tag=OFFLINE_BOUND):
+    """The offline reference's profile: no parameters (its assignment is data)."""
+
+
 class FixedAssignment(Policy):
     """Routes the i-th arrival to the worker an offline assignment gave it (benchmark only)."""
 
-    name = OFFLINE_BOUND
+    profile_type = OfflineBoundProfile
 
     def __init__(self, assignment: np.ndarray) -> None:
+        super().__init__(OfflineBoundProfile())
         self._assignment = np.asarray(assignment, dtype=np.int64)
         self._next = 0
 
@@ -394,7 +411,7 @@ def search_offline_bound(
     found = model.search([default.worker_of], cap)
     res = run_policy(
         prepared,
-        PolicySpec(name=OFFLINE_BOUND),
+        OfflineBoundProfile(),
         cost,
         rate,
         config,
@@ -451,11 +468,15 @@ def _row(
 
 
 def _spec_row(res: SimResult, bp: BenchPolicy, profile: str, draw: ArrivalDraw) -> dict[str, Any]:
-    spec = bp.spec
-    row = _row(res, bp.label, make_policy(spec).params(), profile, draw)
-    if spec.name in ("eldr", "eldr_bounded", "oracle"):
-        row["tau"] = spec.tau
+    row = _row(res, bp.label, bp.profile.params(), profile, draw)
+    if bp.profile.band_tau is not None:
+        row["tau"] = bp.profile.band_tau
     return row
+
+
+def _paper(config: BenchConfig) -> ProfileBase:
+    """The paper's rule with the run's overrides."""
+    return profile_from_params(PAPER_POLICY, params_taken(PAPER_POLICY, config.overrides))
 
 
 def _pct(new: float, base: float) -> float:
@@ -652,7 +673,7 @@ def run_bench(
     arrivals_by_profile: dict[str, dict[float, dict[str, Any]]] = {}
     targets_by_profile: dict[str, dict[float, float]] = {}
     bound_info: dict[str, dict[str, Any]] = {}
-    lineup = policy_lineup(config.policies, config.tau, config.load_measure, config.variants)
+    lineup = config.lineup()
     for cost in profiles:
         rates = (
             list(config.rates)
@@ -669,7 +690,7 @@ def run_bench(
             default_res: SimResult | None = None
             for bp in lineup:
                 progress.describe(f"{rate:.0f} req/s {bp.label}")
-                res = run_policy(prepared, bp.spec, cost, rate, config, draw.requests)
+                res = run_policy(prepared, bp.profile, cost, rate, config, draw.requests)
                 results.append(_spec_row(res, bp, cost.name, draw))
                 if bp.label == DEFAULT_POLICY:
                     default_res = res
@@ -688,7 +709,7 @@ def run_bench(
                     progress.describe(f"{rate:.0f} req/s {bp.label} (live information)")
                     res = run_policy(
                         prepared,
-                        bp.spec,
+                        bp.profile,
                         cost,
                         rate,
                         config,
@@ -738,8 +759,9 @@ def run_bench(
                 name: [{"rate": rate, **info} for rate, info in by_rate.items()]
                 for name, by_rate in arrivals_by_profile.items()
             },
-            "tau": config.tau,
-            "load_measure": config.load_measure,
+            # What the lineup's band rules and load-balancing policies ran with.
+            "tau": _paper(config).band_tau,
+            "load_measure": _paper(config).measure,
             "policies": [bp.label for bp in lineup],
             "default_policy": DEFAULT_POLICY,
             "paper_policy": PAPER_POLICY,
@@ -786,15 +808,11 @@ def run_bench(
 def bench_steps(config: BenchConfig, num_rates: int) -> int:
     """Units of work `run_bench` reports to its progress (simulations and searches)."""
     profiles = 1 + len(config.whatif_profiles)
-    lineup = len(policy_lineup(config.policies, config.tau, config.load_measure, config.variants))
+    lineup = len(config.lineup())
     bound = 1 if config.offline_bound and DEFAULT_POLICY in config.policies else 0
     live = 0
     if config.information is not None:
-        live = len(
-            live_lineup(
-                policy_lineup(config.policies, config.tau, config.load_measure, config.variants)
-            )
-        )
+        live = len(live_lineup(config.lineup()))
     return num_rates * (profiles * lineup + bound + live)
 
 

@@ -48,14 +48,12 @@ from eldr.core.costmodel import CostProfile
 from eldr.core.partition.partition import Partition
 from eldr.core.routing.activity import ExpertDemand
 from eldr.core.routing.decide import RouteRequest, request_demand
-from eldr.core.routing.policies import (
-    DEFAULT_POLICY,
-    PAPER_POLICY,
-    Choice,
-    FleetView,
-    Policy,
-    PolicySpec,
-    make_policy,
+from eldr.core.routing.policies import Choice, FleetView, Policy, make_policy
+from eldr.core.routing.profile import (
+    DEFAULT_PROFILE,
+    PAPER_PROFILE,
+    ProfileBase,
+    RoundRobinProfile,
 )
 from eldr.core.workload.trace import TraceSet, expert_counts
 from eldr.data.profiles import load_catalog
@@ -63,8 +61,10 @@ from eldr.dev.demo import (
     DemoConfig,
     DemoResult,
     PolicyResult,
+    add_profile_arguments,
     demo_requests,
     load_input,
+    profiles_from_args,
     run_demo,
 )
 from eldr.dev.stack import Stack
@@ -86,7 +86,7 @@ from eldr.wire import Decision, DecodeProfile, LoadReport, RequestFinished
 
 log = logging.getLogger(__name__)
 
-POLICIES: tuple[str, ...] = ("round_robin", PAPER_POLICY, DEFAULT_POLICY)
+POLICIES: tuple[ProfileBase, ...] = (RoundRobinProfile(), PAPER_PROFILE, DEFAULT_PROFILE)
 """Compared, in this order (the first is the baseline of the cut columns)."""
 WORKER_PREFIX = "decode-"
 """The local stack's simulated decode worker ids: prefix + slot."""
@@ -360,12 +360,17 @@ class CompareObserver:
 # --- the simulated side ------------------------------------------------------------------------
 
 
+class LiveAssignmentsProfile(ProfileBase, frozen=True, tag="live_assignments"):
+    """The replay of a live pass's assignments: no parameters (they are data)."""
+
+
 class LiveAssignments(Policy):
     """Routes the i-th arrival to the worker the live router chose for it."""
 
-    name = "live_assignments"
+    profile_type = LiveAssignmentsProfile
 
     def __init__(self, workers: np.ndarray) -> None:
+        super().__init__(LiveAssignmentsProfile())
         self._workers = np.asarray(workers, dtype=np.int64)
         self._next = 0
 
@@ -386,8 +391,10 @@ class SimInputs:
 
 
 def sim_inputs(
-    evaluation: TraceSet, partition: Partition | None, decoders: int, tau: float
+    evaluation: TraceSet, partition: Partition | None, decoders: int, tau: float | None
 ) -> SimInputs:
+    """The simulations' requests and their scores (`tau`: the widest band of the compared
+    profiles, which an approximate centroid index keeps exact; None: no band)."""
     geometry = evaluation.geometry
     counts = [expert_counts(t.prefill, geometry.num_experts) for t in evaluation.traces]
     scores = None
@@ -418,7 +425,7 @@ def router_demands(policy: Policy, inputs: SimInputs) -> list[ExpertDemand]:
     """Each request's demand exactly as the live router computes it (`request_demand`)."""
     out = []
     for i, (c, tokens) in enumerate(zip(inputs.counts, inputs.prompt_tokens, strict=True)):
-        demand = request_demand(policy, RouteRequest(str(i), "", tokens, counts=c))
+        demand = request_demand(policy.profile, RouteRequest(str(i), "", tokens, counts=c))
         if demand is None:
             raise ValueError(f"evaluation request {i} has no prefill counts")
         out.append(demand)
@@ -593,17 +600,18 @@ def compare(
 ) -> list[PolicyComparison]:
     """The three simulations of every live pass, beside it."""
     assert observer.evaluation is not None
-    inputs = sim_inputs(observer.evaluation, observer.partition, config.decoders, config.tau)
+    bands = [p.band_tau for p in config.policies if p.band_tau is not None]
+    tau = max(bands) if bands else None
+    inputs = sim_inputs(observer.evaluation, observer.partition, config.decoders, tau)
     out = []
-    for r in demo.results:
+    for profile, r in zip(config.policies, demo.results, strict=True):
         live = observer.passes[r.policy]
-        spec = PolicySpec(name=r.policy, tau=config.tau)
         info = information_from(live, config.router_replicas, config.report_interval_s)
         with_info = simulate_pass(
-            live, make_policy(spec), inputs, cost, config, observer.rate_per_s, info
+            live, make_policy(profile), inputs, cost, config, observer.rate_per_s, info
         )
         perfect = simulate_pass(
-            live, make_policy(spec), inputs, cost, config, observer.rate_per_s, None
+            live, make_policy(profile), inputs, cost, config, observer.rate_per_s, None
         )
         replay = simulate_pass(
             live,
@@ -733,7 +741,7 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--report-interval", type=float, default=0.1, help="simdecode load-report period, s"
     )
-    p.add_argument("--tau", type=float, default=0.1)
+    add_profile_arguments(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--database-url", default=None, help="default: SQLite in the state directory")
     p.add_argument(
@@ -755,13 +763,12 @@ def _main(args: argparse.Namespace) -> int:
         synthetic_requests=args.synthetic_requests,
         target_batch=args.target_batch,
         rate_per_s=args.rate,
-        tau=args.tau,
         seed=args.seed,
         database_url=args.database_url,
         state_dir=args.state_dir,
         router_replicas=args.routers,
         report_interval_s=args.report_interval,
-        policies=POLICIES,
+        policies=profiles_from_args(args, POLICIES),
     )
     try:
         result = run_compare(config)

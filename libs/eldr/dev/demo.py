@@ -31,6 +31,17 @@ import numpy as np
 
 from eldr.bus import Bus, BusError, RemoteError, stream_name
 from eldr.bus.topology import DECISIONS
+from eldr.core.routing.profile import (
+    EldrCostProfile,
+    EldrProfile,
+    ProfileBase,
+    RoundRobinProfile,
+    as_routing_profile,
+    decode_profile,
+    encode_profile,
+    params_taken,
+    profile_from_params,
+)
 from eldr.core.workload.sizing import rates_for_batch_targets, stratified_split
 from eldr.core.workload.synthetic import SyntheticSpec, generate
 from eldr.core.workload.synthetic_fit import FITTED_SPEC
@@ -70,10 +81,9 @@ class DemoConfig:
     rate_per_s: float | None = None
     """Explicit arrival rate; overrides target_batch."""
     time_scale: float = 1.0
-    policies: tuple[str, ...] = ("round_robin", "eldr", "eldr_cost")
-    """Compared on the same requests: the first is the baseline; `eldr` is the paper's
-    locality band, `eldr_cost` the router's default (docs/ONLINE.md)."""
-    tau: float = 0.1
+    policies: tuple[ProfileBase, ...] = (RoundRobinProfile(), EldrProfile(), EldrCostProfile())
+    """Routing profiles compared on the same requests: the first is the baseline; `eldr`
+    is the paper's locality band, `eldr_cost` the router's default (docs/ONLINE.md)."""
     seed: int = 0
     profile: str = DEFAULT_PROFILE_FOR_TRACES
     database_url: str | None = None
@@ -106,6 +116,8 @@ class PolicyResult:
     tpot_p99_ms: float
     finished: int
     per_worker: dict[str, int] = field(default_factory=dict)
+    params: dict[str, float | int | str] = field(default_factory=dict)
+    """The profile's parameters (`ProfileBase.params`)."""
 
 
 @dataclass
@@ -150,10 +162,12 @@ async def _routers(bus: Bus, control: RouterControl, expected: int) -> list[Rout
     return [r for r in replies if isinstance(r, RouterControlReply)]
 
 
-async def set_policy(bus: Bus, policy: str, tau: float, routers: int) -> None:
-    replies = await _routers(bus, RouterControl(policy=policy, tau=tau, load_measure=None), routers)
-    if len(replies) != routers or any(r.policy != policy for r in replies):
-        raise RuntimeError(f"could not switch {routers} routers to {policy}: {replies}")
+async def set_profile(bus: Bus, profile: ProfileBase, routers: int) -> None:
+    """Every router routes with `profile` from now on."""
+    control = RouterControl(profile=as_routing_profile(profile))
+    replies = await _routers(bus, control, routers)
+    if len(replies) != routers or any(r.profile != profile for r in replies):
+        raise RuntimeError(f"could not switch {routers} routers to {profile}: {replies}")
 
 
 async def wait_for_partition(bus: Bus, version: int, routers: int, timeout_s: float) -> None:
@@ -268,7 +282,7 @@ async def drive(
             config.calibration_requests,
             rate,
         )
-        await set_policy(bus, "round_robin", config.tau, routers)
+        await set_profile(bus, RoundRobinProfile(), routers)
         replay = TraceReplayer(
             bus, cal, ReplayConfig(model=model, rate_per_s=rate, seed=config.seed)
         )
@@ -294,10 +308,11 @@ async def drive(
         if observer is not None:
             await observer.on_partition(bus, reply.version)
         results = []
-        for i, policy in enumerate(config.policies):
-            log.info("evaluation %d/%d: %s", i + 1, len(config.policies), policy)
+        for i, profile in enumerate(config.policies):
+            policy = profile.name
+            log.info("evaluation %d/%d: %s", i + 1, len(config.policies), profile.describe())
             progress.describe(f"{policy} ({i + 1}/{len(config.policies)})")
-            await set_policy(bus, policy, config.tau, routers)
+            await set_profile(bus, profile, routers)
             await worker_stats(bus, config.decoders, reset=True)
             if observer is not None:
                 await observer.before_pass(bus, policy)
@@ -313,7 +328,7 @@ async def drive(
             measured = summarize_workers(await worker_stats(bus, config.decoders))
             if observer is not None:
                 await observer.after_pass(bus, policy, replay, summary)
-            results.append(_policy_result(policy, summary, measured))
+            results.append(_policy_result(profile, summary, measured))
         # The record of truth: one message per decided request id in DECISIONS (the
         # first write per request id wins; a second decision could not be stored).
         decisions = await bus.stream_state(stream_name(settings.namespace, DECISIONS))
@@ -329,7 +344,7 @@ async def drive(
             "decoders": config.decoders,
             "cost_profile": cost.name,
             "time_scale": config.time_scale,
-            "tau": config.tau,
+            "profiles": [p.describe() for p in config.policies],
         },
         rate_per_s=round(rate, 2),
         partition_version=reply.version,
@@ -342,9 +357,10 @@ async def drive(
     )
 
 
-def _policy_result(policy: str, s: ReplaySummary, m: dict[str, float]) -> PolicyResult:
+def _policy_result(profile: ProfileBase, s: ReplaySummary, m: dict[str, float]) -> PolicyResult:
     return PolicyResult(
-        policy=policy,
+        policy=profile.name,
+        params=profile.params(),
         sent=s.sent,
         decided=s.decided,
         lost=s.lost,
@@ -379,8 +395,8 @@ def stack_config(config: DemoConfig, traces: TraceSet) -> StackConfig:
             "ELDR_SIMDECODE_REPORT_INTERVAL_S": str(config.report_interval_s),
             "ELDR_REFIT_INTERVAL_S": "0",
             "ELDR_MIN_SAMPLES": str(min(256, config.calibration_requests // 2)),
-            "ELDR_POLICY": "round_robin",
-            "ELDR_TAU": str(config.tau),
+            # Calibration runs round-robin (each pass then switches the routers' profile).
+            "ELDR_ROUTING_PROFILE": encode_profile(RoundRobinProfile()),
             "OPENBLAS_NUM_THREADS": "1",
         },
         log_level=config.service_log_level,
@@ -532,7 +548,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--target-batch", type=float, default=16.0)
     p.add_argument("--rate", type=float, default=None, help="arrival rate (req/s)")
     p.add_argument("--time-scale", type=float, default=1.0)
-    p.add_argument("--tau", type=float, default=0.1)
+    add_profile_arguments(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--database-url", default=None, help="default: SQLite in the state directory")
     p.add_argument(
@@ -550,6 +566,38 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=_main)
 
 
+def add_profile_arguments(p: argparse.ArgumentParser) -> None:
+    """`--profile` (repeatable) and `--tau`: the routing profiles a run compares."""
+    p.add_argument(
+        "--profile",
+        action="append",
+        type=decode_profile,
+        metavar="JSON",
+        help='a routing profile to compare, e.g. \'{"policy": "eldr", "tau": 0.2}\' (repeat; '
+        "the first is the baseline; default: round_robin, eldr, eldr_cost)",
+    )
+    p.add_argument(
+        "--tau",
+        type=float,
+        default=None,
+        help="band width of every compared band policy (default: each profile's own)",
+    )
+
+
+def profiles_from_args(
+    args: argparse.Namespace, default: tuple[ProfileBase, ...]
+) -> tuple[ProfileBase, ...]:
+    """The compared profiles: `--profile`s (else `default`), with `--tau` on those that
+    take it."""
+    profiles: tuple[ProfileBase, ...] = tuple(args.profile or default)
+    if args.tau is None:
+        return profiles
+    return tuple(
+        profile_from_params(p.name, params_taken(p.name, {"tau": args.tau}), keep=p)
+        for p in profiles
+    )
+
+
 def _main(args: argparse.Namespace) -> int:
     for out in (args.json, args.png):
         if out is not None:  # fail now, not after the run
@@ -563,7 +611,7 @@ def _main(args: argparse.Namespace) -> int:
         target_batch=args.target_batch,
         rate_per_s=args.rate,
         time_scale=args.time_scale,
-        tau=args.tau,
+        policies=profiles_from_args(args, DemoConfig.policies),
         seed=args.seed,
         database_url=args.database_url,
         state_dir=args.state_dir,

@@ -36,10 +36,11 @@ from typing import Any
 
 import numpy as np
 
+from eldr.core.routing.profile import DEFAULT_PROFILE, profile_from_params
 from eldr.dev.demo import (
     DemoConfig,
     load_input,
-    set_policy,
+    set_profile,
     summarize_workers,
     wait_idle,
     worker_stats,
@@ -61,7 +62,8 @@ class SoakConfig:
     decoders: int = 8
     profiles: bool = False
     """Whether the simulated decode workers publish decode profiles."""
-    policy: str = "eldr_cost"
+    policy: str = DEFAULT_PROFILE.name
+    """The routers' policy, with its default parameters."""
     traces: Path | None = None
     sample_every_s: float = 5.0
     warmup_s: float = 30.0
@@ -176,7 +178,7 @@ async def drive(config: SoakConfig, stack: Stack, settings: BusSettings) -> Soak
     bus = await Bus.connect(settings, "eldr-soak")
     cpu_before = {p.instance_id: cpu_s(p.pid) for p in stack.processes}
     try:
-        await set_policy(bus, config.policy, 0.1, config.router_replicas)
+        await set_profile(bus, profile_from_params(config.policy), config.router_replicas)
         await worker_stats(bus, config.decoders, reset=True)
         count = int(config.rate_per_s * config.duration_s)
         replay = TraceReplayer(
@@ -300,7 +302,7 @@ def register(subparsers: Any) -> None:
         default=False,
         help="simulated decode workers publish decode profiles (default: off)",
     )
-    p.add_argument("--policy", default="eldr_cost")
+    p.add_argument("--policy", default=DEFAULT_PROFILE.name)
     p.add_argument("--traces", type=Path, default=None, help="default: synthetic workload")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="write the result (with every sample) here")

@@ -172,15 +172,20 @@ def register(subparsers: Any) -> None:
     _add_range(p)
     w = p.add_argument_group("what-if (default: as recorded)")
     w.add_argument("--policy", help="a policy name (eldr, eldr_bounded, eldr_cost, jsq, ...)")
-    w.add_argument("--tau", type=float, help="locality band width")
-    w.add_argument("--load-measure", choices=("requests", "kv_tokens"))
+    w.add_argument("--tau", type=float, help="locality band width (of the band policies)")
+    w.add_argument(
+        "--load-measure",
+        choices=("requests", "kv_tokens"),
+        help="the load measure (of every policy that takes one)",
+    )
     w.add_argument(
         "--param",
         type=_param,
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="a policy parameter, repeatable (e.g. slack=0.2, locality_weight=0.5)",
+        help="a profile parameter, repeatable (e.g. slack=0.2, locality_weight=0.5), set on "
+        "every decision whose policy takes it",
     )
     w.add_argument(
         "--partition",
@@ -426,11 +431,11 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         return _fail("replay", partition)
     try:
         cost = load_catalog(args.cost_profiles).get(args.cost_profile or DEFAULT_PROFILE_FOR_TRACES)
+        named = (("tau", args.tau), ("load_measure", args.load_measure))
+        params = [(k, v) for k, v in named if v is not None] + sorted(dict(args.param).items())
         config = ReplayConfig(
             policy=args.policy,
-            tau=args.tau,
-            load_measure=args.load_measure,
-            params=tuple(sorted(dict(args.param).items())),
+            params=tuple(params),
             partition=partition,
             index_method=args.index_method,
             cost=cost,

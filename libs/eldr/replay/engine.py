@@ -19,27 +19,29 @@ other replicas' decisions and the profiles a little later than that, and request
 before the window are missing, so such decisions are reproduced on approximate inputs and
 counted apart (`approximate`, `approximate_mismatched`).
 
-**Counterfactual.** The same decisions under another policy, tau, load measure, policy
-parameters or partition. Loads then change as decisions change; the load model is a
-correction of what the router saw: a worker's load at a decision = the load recorded in
-that decision + the requests the replay sent it that are still in flight - the requests
-the recording sent it that are still in flight, counting only requests whose worker
-changed. A request is in flight from its decision until its decode profile was recorded
-(the median profiled duration, or `default_duration_s`, when it has none); its KV load is
-its prompt plus the tokens decoded so far (linear over its lifetime). Everything that did
-not change keeps its recorded effect, including requests decided before the window. Each
-decision keeps its recorded seed, so ties are broken by the same draws. A cost-aware
-policy's activity table is rebuilt from the replay's own assignments over the same
-lifetimes.
+**Counterfactual.** The same decisions under another policy, other profile parameters
+(tau, load measure, ...: on each decision whose policy takes them) or another partition.
+Loads then change as decisions change; the load model is a correction of what the router
+saw: a worker's load at a decision = the load recorded in that decision + the requests the
+replay sent it that are still in flight - the requests the recording sent it that are
+still in flight, counting only requests whose worker changed. A request is in flight from
+its decision until its decode profile was recorded (the median profiled duration, or
+`default_duration_s`, when it has none); its KV load is its prompt plus the tokens decoded
+so far (linear over its lifetime). Everything that did not change keeps its recorded
+effect, including requests decided before the window. Each decision keeps its recorded
+seed, so ties are broken by the same draws. A cost-aware policy's activity table is
+rebuilt from the replay's own assignments over the same lifetimes.
 
 **Modelled decode effect.** Where decode profiles were recorded, each worker's batch is
 sampled every `sample_s` seconds: the profiled requests in flight on it. A request's decode
 profile gives p[l, e] = counts[l, e] / tokens, the chance that one of its tokens routes to
 expert e at MoE layer l; the expected number of distinct experts a step streams is
 sum over (l, e) of 1 - prod over the batch of (1 - p[l, e]) (tokens drawn independently from
-their requests' profiles). The cost model (`eldr.core.costmodel`) turns that union and the
-batch's KV tokens into a step time; a request's modelled TPOT is the mean step time of its
-worker over its lifetime. Requests without a profile are not in the modelled batches.
+their requests' profiles: `eldr.core.routing.activity.expected_union`, the one model of a
+batch's union that the router and the trainer's shadow gate use too). The cost model
+(`eldr.core.costmodel`) turns that union and the batch's KV tokens into a step time; a
+request's modelled TPOT is the mean step time of its worker over its lifetime. Requests
+without a profile are not in the modelled batches.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ import numpy as np
 
 from eldr.core.costmodel import CostProfile
 from eldr.core.partition.partition import Partition
-from eldr.core.routing.activity import DEFAULT_TTL_S, ActivityTable
+from eldr.core.routing.activity import DEFAULT_TTL_S, ActivityTable, ActivityView, expected_union
 from eldr.core.routing.decide import (
     SIGNATURE_FALLBACKS,
     DecisionRng,
@@ -64,21 +66,18 @@ from eldr.core.routing.decide import (
     request_demand,
     route,
 )
-from eldr.core.routing.policies import (
-    LOAD_MEASURES,
-    POLICY_EXTRA_PARAMS,
-    LoadMeasure,
-    Policy,
-    PolicySpec,
-    RoundRobin,
-    make_policy,
+from eldr.core.routing.policies import Policy, make_policy
+from eldr.core.routing.profile import (
+    PROFILE_TYPES,
+    ProfileBase,
+    params_taken,
+    profile_from_params,
 )
 from eldr.partitions.codec import partition_from_blob
 from eldr.progress import NO_PROGRESS, Progress
 from eldr.replay.eventlog import EventLog
 from eldr.wire import Decision, DecodeProfile
 
-DEFAULT_TAU = 0.1
 DEFAULT_DURATION_S = 10.0
 """In-flight time of a request without a decode profile when no request has one."""
 SCORE_TOLERANCE = 1e-5
@@ -129,78 +128,27 @@ def request_of(d: Decision) -> RouteRequest:
     )
 
 
-@dataclass(frozen=True)
-class PolicyConfig:
-    """A policy with every parameter a decision depends on (hashable)."""
-
-    name: str
-    tau: float = DEFAULT_TAU
-    load_measure: LoadMeasure = "requests"
-    extra: tuple[tuple[str, float], ...] = ()
-    """Policy-specific parameters (`POLICY_EXTRA_PARAMS`), sorted by name."""
-
-    def build(self) -> Policy:
-        """A fresh policy instance; ValueError for an unknown name or parameter."""
-        return make_policy(
-            PolicySpec(
-                name=self.name, tau=self.tau, load_measure=self.load_measure, extra=dict(self.extra)
-            )
-        )
-
-    @property
-    def flags(self) -> tuple[bool, bool]:
-        """(wants partition scores, reads worker activity)."""
-        policy = self.build()
-        return policy.wants_scores, policy.uses_activity
-
-    @property
-    def uses_signature(self) -> bool:
-        return self.flags[0]
-
-    @property
-    def uses_band(self) -> bool:
-        """Whether tau means anything to this policy (the locality-band rules)."""
-        return self.build().uses_signature
-
-    def describe(self) -> str:
-        parts = []
-        if self.uses_band:
-            parts.append(f"tau {self.tau:g}")
-        if self.name not in ("round_robin", "random"):
-            parts.append(f"load measure {self.load_measure}")
-        parts += [f"{k} {v:g}" for k, v in self.extra]
-        return f"{self.name} ({', '.join(parts)})" if parts else self.name
+def recorded_profile(d: Decision) -> ProfileBase | None:
+    """The routing profile a decision records (`Decision.routing_profile`); None for a
+    policy or parameter this code does not know."""
+    try:
+        return d.routing_profile
+    except ValueError:
+        return None
 
 
-def policy_config(
-    name: str, params: dict[str, float | int | str], extra: dict[str, float] | None = None
-) -> PolicyConfig:
-    """A policy's configuration from recorded `params` (plus `extra` overrides); only the
-    parameters the policy takes are kept."""
-    measure = str(params.get("load_measure", "requests"))
-    if measure not in LOAD_MEASURES:
-        raise ValueError(f"unknown load measure {measure!r}")
-    known = POLICY_EXTRA_PARAMS.get(name, ())
-    values = {k: float(v) for k, v in params.items() if k in known and not isinstance(v, str)}
-    values.update(extra or {})
-    return PolicyConfig(
-        name=name,
-        tau=float(params.get("tau", DEFAULT_TAU)),
-        load_measure=measure,
-        extra=tuple(sorted(values.items())),
-    )
-
-
-def recorded_policy(d: Decision) -> PolicyConfig:
-    """The policy configuration a decision records."""
-    return policy_config(d.policy, dict(d.params))
+def describe_recorded(d: Decision) -> str:
+    """The recorded profile in one line (`ProfileBase.describe`)."""
+    profile = recorded_profile(d)
+    return f"{d.policy} (unknown)" if profile is None else profile.describe()
 
 
 def least_loaded_candidates(d: Decision) -> tuple[str, ...]:
     """The workers the recorded decision's final pick was made among: the least loaded of
     the band (locality), or of every live worker (load-only, fallback)."""
     workers, in_flight, kv = recorded_fleet(d)
-    load = in_flight if recorded_policy(d).load_measure == "requests" else kv
+    profile = recorded_profile(d)
+    load = kv if profile is not None and profile.measure == "kv_tokens" else in_flight
     band = set(d.band)
     idx = [i for i, w in enumerate(workers) if w in band] or list(range(len(workers)))
     best = min(load[i] for i in idx)
@@ -210,18 +158,12 @@ def least_loaded_candidates(d: Decision) -> tuple[str, ...]:
 def needed_draw(d: Decision) -> bool:
     """Whether the recorded choice depended on the decision's random draw (as far as the
     record tells: a cost-aware policy's ties are not visible in it)."""
-    if d.policy in ("random", "p2c"):
+    profile = recorded_profile(d)
+    if profile is not None and profile.draws:
         return len(recorded_fleet(d)[0]) > 1
-    if d.policy == "round_robin" or _flags(d.policy)[1]:
+    if profile is not None and (profile.stateful or profile.uses_activity):
         return False
     return len(least_loaded_candidates(d)) > 1
-
-
-def _flags(name: str) -> tuple[bool, bool]:
-    try:
-        return PolicyConfig(name).flags
-    except ValueError:
-        return False, False
 
 
 def difference(d: Decision, outcome: RouteOutcome) -> str | None:
@@ -286,27 +228,24 @@ def reproduce_decision(
     rngs: DecisionRng,
     policy: Policy | None = None,
     max_scores: int | None = None,
-    expert_miss: np.ndarray | None = None,
+    expert_miss: ActivityView | None = None,
 ) -> Reproduction:
     """Re-run one decision on its recorded inputs. `partition`: the blob of
     `d.partition_version` (None when the record names none or it is missing); `policy`:
-    a policy instance carrying state (round-robin), else one is built from the record;
-    `expert_miss`: a rebuilt activity view, for cost-aware policies."""
+    a policy instance carrying state (round-robin), else one is built from the record's
+    profile; `expert_miss`: a rebuilt activity view, for cost-aware policies."""
     if d.partition_version is not None and partition is None:
         return Reproduction(
             "unreplayable", detail=f"partition version {d.partition_version} is not available"
         )
-    config = recorded_policy(d)
     try:
-        chooser = policy or config.build()
+        chooser = policy or make_policy(d.routing_profile)
     except ValueError as exc:
         return Reproduction("unreplayable", detail=f"policy {d.policy!r}: {exc}")
     workers, in_flight, kv = recorded_fleet(d)
     outcome = route(
         request_of(d),
         policy=chooser,
-        load_measure=config.load_measure,
-        tau=config.tau,
         partition=partition,
         workers=workers,
         in_flight=in_flight,
@@ -500,10 +439,11 @@ class ReplayConfig:
     """What a replay changes (None / unset: as recorded) and how it models the effect."""
 
     policy: str | None = None
-    tau: float | None = None
-    load_measure: LoadMeasure | None = None
-    params: tuple[tuple[str, float], ...] = ()
-    """Policy parameters to set (e.g. ("slack", 0.2)); others keep their recorded value."""
+    """Replay every decision with this policy (the parameters it takes carry over from
+    each recorded profile)."""
+    params: tuple[tuple[str, float | str], ...] = ()
+    """Profile parameters to set (e.g. ("tau", 0.0), ("slack", 0.2)), on every decision
+    whose (replayed) policy takes them; the others keep their recorded value."""
     partition: Partition | None = None
     """Route every decision with this partition instead of the recorded version."""
     index_method: str = "auto"
@@ -515,25 +455,27 @@ class ReplayConfig:
     max_listed: int = 20
 
     def __post_init__(self) -> None:
-        if self.tau is not None and self.tau < 0:
-            raise ValueError(f"tau must be >= 0, got {self.tau}")
-        if self.load_measure is not None and self.load_measure not in LOAD_MEASURES:
-            raise ValueError(f"unknown load measure {self.load_measure!r}")
+        # Refuse now what no decision could be replayed with (ValueError says why).
         if self.policy is not None:
-            policy_config(self.policy, {}, dict(self.params)).build()  # unknown: ValueError
+            profile_from_params(self.policy, dict(self.params))
+            return
+        for name, value in self.params:
+            takers = [p for p, t in PROFILE_TYPES.items() if name in t.__struct_fields__]
+            if not takers:
+                raise ValueError(f"no policy takes a parameter {name!r}")
+            profile_from_params(takers[0], {name: value})
 
     @property
     def counterfactual(self) -> bool:
-        return bool(self.params) or any(
-            x is not None for x in (self.policy, self.tau, self.load_measure, self.partition)
-        )
+        return bool(self.params) or self.policy is not None or self.partition is not None
 
-    def applied_to(self, recorded: PolicyConfig) -> PolicyConfig:
-        """The replayed configuration of a decision recorded under `recorded`."""
-        params: dict[str, float | int | str] = dict(recorded.extra)
-        params["tau"] = recorded.tau if self.tau is None else self.tau
-        params["load_measure"] = self.load_measure or recorded.load_measure
-        return policy_config(self.policy or recorded.name, params, dict(self.params))
+    def applied_to(self, recorded: ProfileBase | None) -> ProfileBase | None:
+        """The replayed profile of a decision recorded under `recorded` (None: a policy
+        this code does not know); None when there is nothing to replay it with."""
+        name = self.policy or (None if recorded is None else recorded.name)
+        if name is None:
+            return None
+        return profile_from_params(name, params_taken(name, dict(self.params)), keep=recorded)
 
 
 def _profile_end(d: Decision, profile: DecodeProfile | None) -> float | None:
@@ -571,17 +513,19 @@ class _ActivityTrack:
             self.table.finish(rid)
         self.table.expire(t)
 
-    def add(self, i: int, worker: str, d: Decision, policy: Policy | None) -> None:
-        if policy is None or d.signature is None:
+    def add(self, i: int, worker: str, d: Decision, profile: ProfileBase | None) -> None:
+        if profile is None or d.signature is None:
             return
-        demand = request_demand(policy, request_of(d))
+        demand = request_demand(profile, request_of(d))
         if demand is not None and self.table.add(worker, d.request_id, demand, d.ts_s):
             end = self._ends[i]
             if end is not None:
                 heapq.heappush(self._due, (end, d.request_id))
 
-    def view(self, workers: tuple[str, ...]) -> np.ndarray | None:
-        return self.table.miss_view(workers)
+    def view(self, workers: tuple[str, ...]) -> ActivityView | None:
+        """The table as it is now, for one decision (valid until the next `view`, also
+        across an `add`)."""
+        return self.table.view(workers)
 
 
 class Replayer:
@@ -597,16 +541,17 @@ class Replayer:
         self.progress = progress
         self.partitions = PartitionCache(event_log, self.config.index_method)
         self._rngs = DecisionRng()
-        self._policies: dict[PolicyConfig, Policy | None] = {}
+        self._policies: dict[ProfileBase, Policy | None] = {}
 
     def reproduce(self) -> ReproductionReport:
         report = ReproductionReport()
-        cursors: dict[str, RoundRobin] = {}
+        cursors: dict[str, Policy] = {}
         previous: dict[str, Decision] = {}
         reasons: Counter[str] = Counter()
         decisions = self.log.decisions
+        profiles = [recorded_profile(d) for d in decisions]
         track = None
-        if any(_flags(d.policy)[1] for d in decisions):
+        if any(p is not None and p.uses_activity for p in profiles):
             track = _ActivityTrack(self._ends(decisions, default_s=None))
         self.progress.describe("reproducing")
         for i, d in enumerate(decisions):
@@ -614,21 +559,24 @@ class Replayer:
             report.decisions += 1
             if needed_draw(d):
                 report.needed_draw += 1
+            profile = profiles[i]
             expert_miss = None
             if track is not None:
                 track.advance(d.ts_s)
                 expert_miss = track.view(recorded_fleet(d)[0])
-                track.add(i, d.worker_id, d, self._policy(recorded_policy(d)))
+                track.add(i, d.worker_id, d, profile)
             policy: Policy | None = None
-            if d.policy == "round_robin":
+            if profile is not None and profile.stateful:
                 prev = previous.get(d.router_id)
                 previous[d.router_id] = d
-                if prev is None or prev.policy != "round_robin":
+                if prev is None or recorded_profile(prev) != profile:
                     report.anchored += 1
                     continue
-                rr = cursors.setdefault(d.router_id, RoundRobin())
-                rr.resume_after(prev.worker_id, recorded_fleet(prev)[0])
-                policy = rr
+                cursor = cursors.get(d.router_id)
+                if cursor is None or cursor.profile != profile:
+                    cursor = cursors[d.router_id] = make_policy(profile)
+                cursor.resume_after(prev.worker_id, recorded_fleet(prev)[0])
+                policy = cursor
             else:
                 previous[d.router_id] = d
             result = reproduce_decision(
@@ -638,7 +586,8 @@ class Replayer:
                 policy,
                 expert_miss=expert_miss,
             )
-            if _flags(d.policy)[1] and result.status in ("reproduced", "approximate"):
+            uses_activity = profile is not None and profile.uses_activity
+            if uses_activity and result.status in ("reproduced", "approximate"):
                 report.approximate += 1
                 if result.status == "approximate":
                     report.approximate_mismatched += 1
@@ -662,14 +611,16 @@ class Replayer:
         report.reasons = dict(reasons)
         return report
 
-    def _policy(self, config: PolicyConfig) -> Policy | None:
-        """A shared (stateless use only) instance per configuration; None if unknown."""
-        if config not in self._policies:
+    def _policy(self, profile: ProfileBase | None) -> Policy | None:
+        """A shared (stateless use only) instance per profile; None if unknown."""
+        if profile is None:
+            return None
+        if profile not in self._policies:
             try:
-                self._policies[config] = config.build()
+                self._policies[profile] = make_policy(profile)
             except ValueError:
-                self._policies[config] = None
-        return self._policies[config]
+                self._policies[profile] = None
+        return self._policies[profile]
 
     def _ends(self, decisions: Sequence[Decision], default_s: float | None) -> list[float | None]:
         """When each request stopped loading its worker (`request_end`: its decode profile or
@@ -699,7 +650,7 @@ class Replayer:
         default_duration_s = self._durations()
         ends = [request_end(d, self.log) or d.ts_s + default_duration_s for d in decisions]
         active: list[int] = []  # decisions whose worker changed and that are in flight
-        policies: dict[tuple[str, PolicyConfig], Policy] = {}
+        policies: dict[tuple[str, ProfileBase], Policy] = {}
         after: list[str] = []
         kept = 0
         chosen_before: list[float] = []
@@ -710,7 +661,7 @@ class Replayer:
         fallbacks_after: Counter[str] = Counter()
         moves: list[dict[str, str]] = []
         changed_at: list[float] = []
-        last_config: PolicyConfig | None = None
+        last_config: ProfileBase | None = None
         track: _ActivityTrack | None = None
         self.progress.describe("what-if")
         for i, d in enumerate(decisions):
@@ -718,9 +669,9 @@ class Replayer:
             t = d.ts_s
             active = [j for j in active if ends[j] > t]
             workers, in_flight, kv = recorded_fleet(d)
-            recorded = recorded_policy(d)
-            config = cfg.applied_to(recorded)
-            last_config = config
+            config = cfg.applied_to(recorded_profile(d))
+            if config is not None:
+                last_config = config
             if active:
                 in_flight, kv = self._corrected(workers, in_flight, kv, active, after, t, ends)
             shared = self._policy(config)
@@ -731,14 +682,14 @@ class Replayer:
                 and partition is None
                 and self._needs_blob(d)
             )
-            if shared is None or missing:  # an unknown policy, or a blob the log lacks
+            if config is None or shared is None or missing:  # unknown, or a blob the log lacks
                 after.append(d.worker_id)
                 kept += 1
                 continue
             key = (d.router_id, config)
             policy = policies.get(key)
             if policy is None:
-                policy = policies[key] = config.build()
+                policy = policies[key] = make_policy(config)
             expert_miss = None
             if policy.uses_activity:
                 if track is None:
@@ -748,8 +699,6 @@ class Replayer:
             outcome = route(
                 request_of(d),
                 policy=policy,
-                load_measure=config.load_measure,
-                tau=config.tau,
                 partition=partition,
                 workers=workers,
                 in_flight=in_flight,
@@ -761,12 +710,12 @@ class Replayer:
             )
             after.append(outcome.worker_id)
             if track is not None:
-                track.add(i, outcome.worker_id, d, policy)
+                track.add(i, outcome.worker_id, d, config)
             if outcome.fallback:
                 fallbacks_after[outcome.fallback] += 1
             _, rec_in_flight, rec_kv = recorded_fleet(d)
-            measure_before = rec_in_flight if config.load_measure == "requests" else rec_kv
-            measure_after = in_flight if config.load_measure == "requests" else kv
+            measure_before = rec_in_flight if config.measure == "requests" else rec_kv
+            measure_after = in_flight if config.measure == "requests" else kv
             if d.worker_id in workers:  # always, unless the record is inconsistent
                 chosen_before.append(float(measure_before[workers.index(d.worker_id)]))
             chosen_after.append(float(measure_after[workers.index(outcome.worker_id)]))
@@ -871,21 +820,17 @@ class Replayer:
         return self.partitions.get(version)
 
     def _changes(self) -> dict[str, str]:
-        """What the replay changes, against the most common recorded configuration."""
+        """What the replay changes, against the most common recorded profile."""
         cfg = self.config
-        recorded = Counter(recorded_policy(d) for d in self.log.decisions)
-        usual = recorded.most_common(1)[0][0] if recorded else PolicyConfig("?")
+        recorded = Counter(p for d in self.log.decisions if (p := recorded_profile(d)))
+        usual = recorded.most_common(1)[0][0] if recorded else None
+        taken = {} if usual is None else usual.params()
         out: dict[str, str] = {}
         if cfg.policy is not None:
-            out["policy"] = f"{usual.name} -> {cfg.policy}"
-        if cfg.tau is not None:
-            out["tau"] = f"{usual.tau:g} -> {cfg.tau:g}"
-        if cfg.load_measure is not None:
-            out["load_measure"] = f"{usual.load_measure} -> {cfg.load_measure}"
-        extra = dict(usual.extra)
+            out["policy"] = f"{'?' if usual is None else usual.name} -> {cfg.policy}"
         for name, value in cfg.params:
-            was = extra.get(name)
-            out[name] = f"{'default' if was is None else f'{was:g}'} -> {value:g}"
+            was = taken.get(name)
+            out[name] = f"{'default' if was is None else _value(was)} -> {_value(value)}"
         if cfg.partition is not None:
             versions = sorted({d.partition_version or 0 for d in self.log.decisions} - {0})
             out["partition"] = f"{versions or 'none'} -> version {cfg.partition.version}"
@@ -904,9 +849,7 @@ class Replayer:
             decisions=len(self.log.decisions),
             first_ts_s=None if span is None else span[0],
             last_ts_s=None if span is None else span[1],
-            recorded_policies=dict(
-                Counter(recorded_policy(d).describe() for d in self.log.decisions)
-            ),
+            recorded_policies=dict(Counter(describe_recorded(d) for d in self.log.decisions)),
             reproduction=reproduction,
             counterfactual=counterfactual,
             notes=notes,
@@ -925,6 +868,10 @@ def replay(
 def replay_steps(event_log: EventLog, config: ReplayConfig) -> int:
     """Units of work `replay` reports to its progress."""
     return len(event_log.decisions) * (2 if config.counterfactual else 1)
+
+
+def _value(value: float | int | str) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -1050,7 +997,7 @@ def _batch_union(
     idx = np.concatenate([cells[m] for m in members])
     weights = np.concatenate([logq[m] for m in members])
     log_none = np.bincount(idx, weights=weights, minlength=n_cells)
-    return float(-np.sum(np.expm1(log_none)))  # cells no member touches add 1 - e^0 = 0
+    return expected_union(log_none)  # cells no member touches add 1 - e^0 = 0
 
 
 def _model_side(

@@ -5,7 +5,14 @@ request's decode profile): the candidates with their scores and loads, why the l
 band held the workers it held (best score, tau, the widening rule), why the winner won
 (least load in the band, and how a tie was broken), what a load-only router (JSQ on the
 same loads) would have chosen, any fallback and its reason, and whether replaying the
-record gives the same decision. Pure: the caller fetches the records.
+record gives the same decision.
+
+The numbers come from the decision itself, re-run on its recorded inputs through the
+router's own decision (`eldr.replay.engine.reproduce_decision`, `route`): the band rule's
+best score, threshold, widening and newcomers, the workers tied for the least load are
+what the policy computed (`Choice`, `BandTrace`), not re-derived here; JSQ's pick goes
+through the same decision function (`decide_view`). Without the partition version the
+record alone is told. Pure: the caller fetches the records.
 """
 
 from __future__ import annotations
@@ -16,13 +23,21 @@ from typing import Any
 import numpy as np
 
 from eldr.core.partition.partition import Partition
-from eldr.core.routing.decide import DecisionRng
-from eldr.core.routing.policies import FleetView, JoinShortestQueue
+from eldr.core.routing.decide import DecisionRng, decide_view
+from eldr.core.routing.policies import BandTrace, Choice, make_policy
+from eldr.core.routing.profile import (
+    EldrBoundedProfile,
+    JsqProfile,
+    P2cProfile,
+    ProfileBase,
+    RandomProfile,
+    RoundRobinProfile,
+)
 from eldr.replay.engine import (
-    PolicyConfig,
+    Reproduction,
     least_loaded_candidates,
     recorded_fleet,
-    recorded_policy,
+    recorded_profile,
     reproduce_decision,
 )
 from eldr.replay.eventlog import format_ts
@@ -150,14 +165,16 @@ def explain(
 ) -> Explanation:
     """Explain `d`. `partition`: the version `d` used (lets every candidate's score be
     recomputed and the decision be replayed); `profile`: the request's decode profile."""
-    config = recorded_policy(d)
+    routing = recorded_profile(d)
     workers, in_flight, kv = recorded_fleet(d)
-    measure = config.load_measure
+    measure = "requests" if routing is None else routing.measure
     unit = LOAD_UNITS[measure]
     load = in_flight if measure == "requests" else kv
     usable = (
         partition if partition is not None and partition.version == d.partition_version else None
     )
+    rerun = _rerun(d, routing, usable)
+    choice = None if rerun is None or rerun.outcome is None else rerun.outcome.choice
     scores, scores_from = _scores(d, usable, workers)
     band = set(d.band)
     candidates = [
@@ -176,8 +193,8 @@ def explain(
         key=lambda c: (c.score is None, -(c.score or 0.0), not c.in_band, c.load, c.worker)
     )
     load_of = {w: float(load[i]) for i, w in enumerate(workers)}
-    _, activity = config.flags
-    locality = config.uses_band and d.fallback is None and bool(d.band)
+    locality = routing is not None and routing.uses_signature and d.fallback is None
+    locality = locality and bool(d.band)
     jsq_worker, jsq_ties = _jsq(d, workers, in_flight, kv, measure)
     if jsq_worker == d.worker_id:
         load_only = (
@@ -201,6 +218,7 @@ def explain(
         fallback_reason = (
             f"{d.fallback}: {why}; so the request was routed load-only (JSQ on {unit})."
         )
+    same_band = choice is not None and tuple(workers[i] for i in choice.band) == tuple(d.band)
     return Explanation(
         request_id=d.request_id,
         worker_id=d.worker_id,
@@ -214,25 +232,39 @@ def explain(
         else int(d.signature.values().astype(np.int64).sum()),
         missing_blocks=d.missing_blocks,
         policy=d.policy,
-        params=dict(d.params),
+        params=dict(d.params) if routing is None else routing.params(),
         partition_version=d.partition_version,
         scores_from=scores_from,
         candidates=candidates,
         band=list(d.band),
         band_reason=(
-            _band_reason(d, config, scores, load_of, usable)
+            _band_reason(d, routing, choice, workers, scores, load_of)
+            if locality and choice is not None and choice.rule is not None and same_band
+            else _band_as_recorded(d, usable)
             if locality
-            else _no_band(d, config, activity)
+            else _no_band(d, routing)
         ),
-        winner_reason=_winner_reason(d, config, load_of, unit, locality, activity),
+        winner_reason=_winner_reason(d, routing, choice, workers, load_of, unit, locality),
         load_only_worker=jsq_worker,
         load_only_reason=load_only,
         fallback=d.fallback,
         fallback_reason=fallback_reason,
-        replay=_replay(d, usable, activity),
+        replay=_replay(d, routing, usable, rerun),
         decode=_decode(d, profile),
         rng_seed=d.rng_seed,
     )
+
+
+def _rerun(
+    d: Decision, routing: ProfileBase | None, partition: Partition | None
+) -> Reproduction | None:
+    """The decision re-run on its recorded inputs (None: it cannot be on its own: an
+    unknown policy, or one that follows its previous decision)."""
+    if routing is None or routing.stateful:
+        return None
+    if d.partition_version is not None and partition is None:
+        return None
+    return reproduce_decision(d, partition, DecisionRng())
 
 
 def _scores(
@@ -251,102 +283,113 @@ def _scores(
     return out, f"recomputed from partition version {partition.version}"
 
 
-def _no_band(d: Decision, config: PolicyConfig, activity: bool) -> str:
-    if activity and d.fallback is None:
+def _no_band(d: Decision, routing: ProfileBase | None) -> str:
+    if routing is not None and routing.uses_activity and d.fallback is None:
         return f"none: {d.policy} weighs every live worker by predicted step cost (no band)."
-    if config.uses_band or activity:
+    if routing is not None and (routing.uses_signature or routing.uses_activity):
         return "none: the policy could not score the request (see Fallback)."
     return f"none: {d.policy} is a load-only policy (it ignores signatures)."
 
 
+def _band_as_recorded(d: Decision, partition: Partition | None) -> str:
+    """The band when the decision cannot be re-run (or came out otherwise)."""
+    if d.partition_version is not None and partition is None:
+        why = f"partition version {d.partition_version} is not available"
+    else:
+        why = "re-running the decision gives another band (see Replay)"
+    return f"{', '.join(d.band)} as recorded ({why}, so how the rule built it is not shown)."
+
+
 def _band_reason(
     d: Decision,
-    config: PolicyConfig,
+    routing: ProfileBase | None,
+    choice: Choice,
+    workers: tuple[str, ...],
     scores: dict[str, float],
     load_of: dict[str, float],
-    partition: Partition | None,
 ) -> str:
-    extra = dict(config.extra)
-    widen_to = int(extra.get("widen_to", 2))
+    """How the band rule built the band, as the re-run decision computed it."""
+    rule: BandTrace | None = choice.rule
+    assert rule is not None
+    names = [workers[i] for i in choice.band]
+    newcomers = [workers[i] for i in rule.newcomers]
+    scored_band = [w for w in names if w not in newcomers]
     eligible_note = ""
-    if "slack" in extra and load_of:
-        # eldr_bounded: the band is taken over the workers within the load bound only
-        bound = (1.0 + extra["slack"]) * (sum(load_of.values()) / len(load_of)) + 1.0
-        over = sorted(w for w, x in load_of.items() if x > bound)
-        scores = {w: s for w, s in scores.items() if load_of.get(w, 0.0) <= bound}
-        excluded = f" (not: {', '.join(over)})" if over else ""
+    over = {workers[i] for i in rule.over_bound}
+    if rule.bound is not None and isinstance(routing, EldrBoundedProfile):
+        excluded = f" (not: {', '.join(sorted(over))})" if over else ""
         eligible_note = (
-            f"Only workers with load <= (1 + slack {extra['slack']:g}) x mean + 1 = {bound:.1f} "
-            f"were eligible{excluded}. "
+            f"Only workers with load <= (1 + slack {routing.slack:g}) x mean + 1 = "
+            f"{rule.bound:.1f} were eligible{excluded}. "
         )
-    newcomers = [
-        w for w in d.band if partition is not None and not partition.owns(w) and w not in scores
-    ]
-    ranked = sorted(((w, x) for w, x in scores.items() if w not in newcomers), key=lambda x: -x[1])
-    if not ranked:
-        return f"{eligible_note}{', '.join(d.band)} (no scores recorded)."
-    best_worker, best = ranked[0]
-    tau = config.tau
+    best_worker, best, tau = workers[rule.best], rule.best_score, rule.tau
     threshold = best - tau
-    within = [w for w, x in ranked if x >= threshold]
-    scored_band = [w for w in d.band if w not in newcomers]
-    outside = [(w, x) for w, x in ranked if w not in d.band]
     if tau == 0:
         text = (
             f"tau is 0, so the band holds only the best-scoring worker(s): "
             f"{', '.join(scored_band)} (score {best:.3f})."
         )
-    elif len(within) == 1 and len(scored_band) > 1:
+    elif rule.widened_to:
         text = (
             f"only {best_worker} scored within tau {tau:g} of the best ({best:.3f}, "
             f"threshold {threshold:.3f}); when tau > 0 and a single worker qualifies, the band "
-            f"widens to the {widen_to} best-scoring workers (equal scores in worker order): "
-            f"{', '.join(scored_band)}."
+            f"widens to the {rule.widened_to} best-scoring workers (equal scores in worker "
+            f"order): {', '.join(scored_band)}."
         )
     else:
         text = (
             f"the best score was {best:.3f} ({best_worker}); tau {tau:g} keeps every worker "
             f"scoring at least {threshold:.3f}: {', '.join(scored_band)}."
         )
+    outside = sorted(
+        ((w, x) for w, x in scores.items() if w not in names and w not in over),
+        key=lambda item: -item[1],
+    )
     if outside:
         w, x = outside[0]
         text += f" Closest outside: {w} at {x:.3f}, {threshold - x:.3f} below the threshold."
     if newcomers:
-        version = "" if partition is None else f" {partition.version}"
         text += (
-            f" {', '.join(newcomers)} had no centroid in partition{version} (joined after the "
-            "fit) and was less loaded than every scored band member, so it joined the band."
+            f" {', '.join(newcomers)} had no centroid in partition {d.partition_version} "
+            "(joined after the fit) and was less loaded than every scored band member, so it "
+            "joined the band."
         )
     return eligible_note + text
 
 
 def _winner_reason(
     d: Decision,
-    config: PolicyConfig,
+    routing: ProfileBase | None,
+    choice: Choice | None,
+    workers: tuple[str, ...],
     load_of: dict[str, float],
     unit: str,
     locality: bool,
-    activity: bool,
 ) -> str:
     w = d.worker_id
     seed = "no recorded seed" if d.rng_seed is None else f"rng seed {d.rng_seed}"
-    if activity and d.fallback is None:
+    if routing is not None and routing.uses_activity and d.fallback is None:
         return (
             f"{d.policy} sent it where it adds the least predicted decode-step cost (the "
             "worker's expert union per step plus, for the worker's in-flight requests and "
             "itself, what it adds to that union); the record holds the loads but not the "
             "router's activity table, so the per-worker costs are not shown."
         )
-    if d.policy == "round_robin":
-        return f"round-robin: {w} was next in router {d.router_id}'s cycle."
-    if d.policy == "random":
-        return f"random: {w} was drawn uniformly among {len(load_of)} live workers ({seed})."
-    if d.policy == "p2c":
-        return (
-            f"power of two choices: two workers drawn at random ({seed}), the less loaded taken: "
-            f"{w} ({_fmt(load_of.get(w, 0.0), unit)})."
-        )
-    ties = least_loaded_candidates(d)
+    match routing:
+        case RoundRobinProfile():
+            return f"round-robin: {w} was next in router {d.router_id}'s cycle."
+        case RandomProfile():
+            return f"random: {w} was drawn uniformly among {len(load_of)} live workers ({seed})."
+        case P2cProfile():
+            return (
+                f"power of two choices: two workers drawn at random ({seed}), the less loaded "
+                f"taken: {w} ({_fmt(load_of.get(w, 0.0), unit)})."
+            )
+    # A least-load pick: the tie the re-run decision found, else the record's.
+    if choice is not None and choice.tied and workers[choice.index] == w:
+        ties = tuple(workers[i] for i in choice.tied)
+    else:
+        ties = least_loaded_candidates(d)
     where = "in the band" if locality else f"among all {len(load_of)} live workers"
     if locality and len(d.band) == 1:
         return f"{w} was the only worker in the band."
@@ -379,26 +422,37 @@ def _jsq(
     kv: np.ndarray,
     measure: str,
 ) -> tuple[str, tuple[str, ...]]:
-    """What JSQ on the same loads picks (with the decision's seed) and the tied workers."""
-    policy = JoinShortestQueue(load_measure="requests" if measure == "requests" else "kv_tokens")
-    view = FleetView(workers=workers, in_flight=in_flight, kv_tokens=kv)
-    choice = policy.choose(view, DecisionRng().seeded(d.rng_seed or 0))
-    load = view.load(policy.load_measure)
-    ties = tuple(w for w, x in zip(workers, load, strict=True) if x == load.min())
-    return workers[choice.index], ties
+    """What JSQ on the same loads picks (with the decision's seed) and the tied workers,
+    through the router's decision function."""
+    jsq = make_policy(
+        JsqProfile(load_measure="kv_tokens" if measure == "kv_tokens" else "requests")
+    )
+    decided = decide_view(
+        jsq,
+        workers=workers,
+        in_flight=in_flight,
+        kv_tokens=kv,
+        rng=DecisionRng().seeded(d.rng_seed or 0),
+    )
+    return workers[decided.index], tuple(workers[i] for i in decided.choice.tied)
 
 
-def _replay(d: Decision, partition: Partition | None, activity: bool) -> str:
-    if activity:
+def _replay(
+    d: Decision,
+    routing: ProfileBase | None,
+    partition: Partition | None,
+    rerun: Reproduction | None,
+) -> str:
+    if routing is not None and routing.uses_activity:
         return (
             f"not checked alone: {d.policy} also reads the router's activity table, which "
             "the record does not hold (`eldr replay` rebuilds it from the window)."
         )
-    if d.policy == "round_robin":
+    if routing is not None and routing.stateful:
         return "round-robin depends on the router's previous decision: replay the window."
     if d.partition_version is not None and partition is None:
         return f"not checked: partition version {d.partition_version} is not available."
-    result = reproduce_decision(d, partition, DecisionRng())
+    result = rerun or reproduce_decision(d, partition, DecisionRng())
     if result.status == "reproduced":
         return f"re-running the decision on its recorded inputs gives {d.worker_id}: reproduced."
     return f"{result.status}: {result.detail}."

@@ -45,9 +45,10 @@ from typing import Protocol
 import numpy as np
 
 from eldr.core.costmodel import CostProfile
-from eldr.core.routing.activity import ActivityTable, ExpertDemand
+from eldr.core.routing.activity import ActivityTable, ActivityView, ExpertDemand
+from eldr.core.routing.decide import decide_view
 from eldr.core.routing.loadtable import Report
-from eldr.core.routing.policies import FleetView, Policy
+from eldr.core.routing.policies import Policy
 from eldr.sim.information import (
     InformationModel,
     RouterReplica,
@@ -367,7 +368,6 @@ def simulate(
     centroid_mask = _centroid_mask(scores, has_centroid)
     track_activity = policy.uses_activity and demands is not None
     activity = ActivityTable(ttl_s=float("inf")) if track_activity and information is None else None
-    demand_p: dict[int, np.ndarray] = {}
 
     warm_idx = int(config.warmup_fraction * n_arr)
     window_start = float(arrival_s[warm_idx]) if warm_idx < n_arr else float(arrival_s[-1])
@@ -568,29 +568,27 @@ def simulate(
             if centroid_mask is not None:
                 sub = centroid_mask if seen_all else centroid_mask[seen_idx]
                 mask = None if sub.all() else sub
-        demand: np.ndarray | None = None
-        miss: np.ndarray | None = None
+        demand: ExpertDemand | None = None
+        miss: ActivityView | None = None
         if track_activity and demands is not None:
-            demand = demand_p.get(req_idx)
-            if demand is None:
-                demand = demand_p[req_idx] = demands[req_idx].probability()
+            demand = demands[req_idx]
             table = activity if replica is None else replica.core.activity
             assert table is not None
-            miss = table.miss_view(seen_ids)
-        view = FleetView(
+            miss = table.view(seen_ids)
+        decided = decide_view(
+            policy if replica is None else replica.policy,
             workers=seen_ids,
             in_flight=seen_in_flight,
             kv_tokens=seen_kv,
+            rng=policy_rng,
             scores=row,
             has_centroid=mask,
             expert_miss=miss,
             demand=demand,
         )
-        chooser = policy if replica is None else replica.policy
-        choice = chooser.choose(view, policy_rng)
-        if choice.fallback:
-            fallbacks[choice.fallback] = fallbacks.get(choice.fallback, 0) + 1
-        w = int(seen_idx[choice.index])
+        if decided.fallback:
+            fallbacks[decided.fallback] = fallbacks.get(decided.fallback, 0) + 1
+        w = int(seen_idx[decided.index])
         if info is not None and replica is not None and a >= warm_idx:
             info.record_errors(replica, seen_in_flight, in_flight[seen_idx])
         if a >= warm_idx:

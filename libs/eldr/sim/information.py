@@ -44,7 +44,8 @@ import numpy as np
 from eldr.core.routing.activity import ExpertDemand
 from eldr.core.routing.decide import RouterCore
 from eldr.core.routing.loadtable import LoadTable, Report
-from eldr.core.routing.policies import Policy, PolicySpec
+from eldr.core.routing.policies import Policy
+from eldr.core.routing.profile import RoundRobinProfile
 
 Split = Literal["random", "alternate"]
 SPLITS: tuple[Split, ...] = ("random", "alternate")
@@ -160,7 +161,7 @@ class RouterReplica:
     and activity tables) plus its own instance of the policy.
 
     The `RouterCore`'s own policy is not used (the simulator builds the fleet view from the
-    core's tables and asks `policy`); it only holds the tables, so its spec is a
+    core's tables and asks `policy`); it only holds the tables, so its profile is a
     placeholder.
     """
 
@@ -169,7 +170,7 @@ class RouterReplica:
         self.policy = policy
         table = LoadTable(stale_after_s=model.stale_after_s, pending_ttl_s=model.pending_ttl_s)
         self.core = RouterCore(
-            PolicySpec(name="round_robin"),
+            RoundRobinProfile(),
             table,
             np.random.default_rng(index),
             activity_slack=model.activity_slack,

@@ -611,7 +611,6 @@ class Trainer:
                 previous,
                 config=c,
                 in_flight=in_flight,
-                tau=c.shadow_tau,
                 checkpoint=checkpoint,
                 clock=time.perf_counter,
             )

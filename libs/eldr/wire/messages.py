@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from eldr.core.routing.profile import ProfileBase, RoutingProfile, profile_from_params
 from eldr.wire.arrays import NdArray, SparseCounts
 from eldr.wire.base import (
     MAX_ABS_FLOAT,
@@ -262,8 +263,12 @@ class Decision(Message, frozen=True, kw_only=True, tag="decision"):
     worker_id: Token
     """Chosen decode worker."""
     policy: Ident
-    params: Annotated[dict[AttrKey, ParamValue], msgspec.Meta(max_length=MAX_PARAMS)]
-    """Policy parameters in force (e.g. tau)."""
+    """The policy's name (`profile`'s tag from v3 on)."""
+    params: Annotated[dict[AttrKey, ParamValue], msgspec.Meta(max_length=MAX_PARAMS)] = (
+        msgspec.field(default_factory=dict)
+    )
+    """Policy parameters in force, untyped: records before v3 (`routing_profile` maps them
+    onto a profile); empty from v3 on, where `profile` holds them."""
     partition_version: Version | None
     """Partition the decision used; None for policies that need none."""
     fallback: Text | None
@@ -297,14 +302,32 @@ class Decision(Message, frozen=True, kw_only=True, tag="decision"):
     """"assigned", or "expired": decided after the event's deadline, no worker assigned
     (`worker_id` is `NO_WORKER`, no loads, scores or band; readers count nothing against
     any worker). v2."""
-    v: Version = 2
+    profile: RoutingProfile | None = None
+    """The routing profile in force: the policy and every parameter, typed
+    (`eldr.core.routing.profile`). v3; None in older records (see `params`)."""
+    v: Version = 3
 
     @property
     def assigned(self) -> bool:
         """Whether the record sends the request to `worker_id` (not an expired one)."""
         return self.outcome == "assigned"
 
+    @property
+    def routing_profile(self) -> ProfileBase:
+        """The profile the decision was made with: `profile`, or for records before v3
+        their `policy` and `params` mapped onto one (`profile_from_params`); ValueError
+        for a policy or parameter this code does not know."""
+        if self.profile is not None:
+            return self.profile
+        return profile_from_params(self.policy, self.params)
+
     def __post_init__(self) -> None:
+        if self.profile is not None:
+            require(
+                self.policy == self.profile.name and not self.params,
+                f"a decision with a profile names its policy ({self.profile.name!r}, not "
+                f"{self.policy!r}) and has no untyped params",
+            )
         if self.outcome == "expired":
             require(
                 self.worker_id == NO_WORKER and not (self.fleet or self.loads or self.band),
@@ -333,7 +356,8 @@ class Decision(Message, frozen=True, kw_only=True, tag="decision"):
 DECISION_FIXED_BYTES = 32 << 10
 """Allowance for everything in a `Decision` besides its worker lists and signature: ids
 (request, router, model, worker, policy; at most 1 KiB each in UTF-8), the fallback reason
-and the policy's parameters (both written by the router itself, a few hundred bytes)."""
+and the routing profile (both written by the router itself, a few hundred bytes: the
+largest profile encodes to under 120)."""
 
 
 def decision_bytes_bound(max_workers: int, max_cells: int, max_scores: int) -> int:
@@ -563,13 +587,30 @@ class PartitionBlob(Message, frozen=True, tag="partition_blob"):
 
 
 class RouterControl(Message, frozen=True, tag="router_control"):
-    """CLI -> every router replica: change settings; all fields None = just report."""
+    """CLI -> every router replica: change the routing profile; all fields None = just
+    report.
+
+    `profile` (v2) replaces the replica's profile. The older fields switch policy and set
+    parameters on the current profile instead (`profile_from_params` with the current
+    one kept: parameters the new policy takes carry over); they cannot be combined with
+    `profile`.
+    """
 
     policy: Ident | None = None
     tau: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_ABS_FLOAT)] | None = None
     """Locality band width (cosine units), >= 0."""
     load_measure: Ident | None = None
-    """e.g. "inflight" or "kv_tokens"."""
+    """"requests" or "kv_tokens"."""
+    profile: RoutingProfile | None = None
+    """The routing profile to route with from now on. v2."""
+    v: Version = 2
+
+    def __post_init__(self) -> None:
+        require(
+            self.profile is None
+            or (self.policy is None and self.tau is None and self.load_measure is None),
+            "a router control sets a profile or policy/tau/load_measure, not both",
+        )
 
 
 class RouterControlReply(Message, frozen=True, kw_only=True, tag="router_control_reply"):
@@ -586,7 +627,10 @@ class RouterControlReply(Message, frozen=True, kw_only=True, tag="router_control
     partition_error: Text | None = None
     """Why the announced version is not in use yet (its last load attempt's error), while
     it is not; the replica keeps retrying. v2 added both fields."""
-    v: Version = 2
+    profile: RoutingProfile | None = None
+    """The routing profile the replica routes with (`policy` and `params` name the same
+    for older readers). v3."""
+    v: Version = 3
 
 
 class RefitRequest(Message, frozen=True, tag="refit_request"):

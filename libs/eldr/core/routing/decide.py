@@ -1,9 +1,18 @@
 """The routing decision, as a pure function of the router's state.
 
 `RouterCore` holds what a router replica knows: the live load table, the active partition
-and the configured policy. `decide` turns one request (its prefill expert counts, or the
-reason they are missing) into a `RouteOutcome`: the chosen worker and everything needed to
-explain and replay the choice (candidate scores, the band, the loads seen, any fallback).
+and the routing profile's policy (`eldr.core.routing.profile`). `decide` turns one request
+(its prefill expert counts, or the reason they are missing) into a `RouteOutcome`: the
+chosen worker and everything needed to explain and replay the choice (candidate scores, the
+band, the loads seen, any fallback, what the policy computed).
+
+One assembly: `decide_view` builds the `FleetView`, picks the policy or its load-only
+fallback and calls `Policy.choose`; `route` adds what a router knows of the request (its
+partition scores, its predicted demand) and is what `RouterCore.decide` runs. The simulator,
+the trainer's shadow gate (`eldr.core.routing.online.shadow_assignment`), replay and explain
+decide through the same two functions. The profile says everything a decision depends on
+(the load measure, the band width the centroid index keeps exact, the demand model); no
+parameter travels beside it.
 
 Fallback: a locality policy that cannot score the request (no partition yet, no signature,
 a partition for another model, a signature of another geometry, no live worker in the
@@ -43,20 +52,19 @@ from eldr.core.routing.activity import (
     DEFAULT_MAX_ENTRIES,
     DEFAULT_TTL_S,
     ActivityTable,
+    ActivityView,
     ExpertDemand,
-    estimate_top_k,
-    expert_demand,
+    request_expert_demand,
 )
 from eldr.core.routing.loadtable import LoadTable
 from eldr.core.routing.policies import (
-    LOAD_MEASURES,
+    Choice,
     FleetView,
     JoinShortestQueue,
-    LoadMeasure,
     Policy,
-    PolicySpec,
     make_policy,
 )
+from eldr.core.routing.profile import LOAD_MEASURES, JsqProfile, LoadMeasure, ProfileBase
 
 FALLBACK_REASONS = (
     "no_partition",
@@ -89,7 +97,7 @@ SEED_LIMIT = 1 << 63
 DEMAND_CACHE = 4096
 """Most demands kept between a decision and the note of its assignment."""
 
-_JSQ = {m: JoinShortestQueue(load_measure=m) for m in LOAD_MEASURES}
+_JSQ = {m: JoinShortestQueue(JsqProfile(load_measure=m)) for m in LOAD_MEASURES}
 """The load-only fallback, per load measure (stateless, so shared)."""
 
 
@@ -116,8 +124,8 @@ class RouteRequest:
 @dataclass(frozen=True)
 class RouteOutcome:
     worker_id: str
-    policy: str
-    params: dict[str, float | int | str]
+    profile: ProfileBase
+    """The profile the decision routed with (its policy's, not the load-only fallback's)."""
     partition_version: int | None
     fallback: str | None
     scores: tuple[tuple[str, float], ...]
@@ -129,6 +137,28 @@ class RouteOutcome:
     rng_seed: int | None = None
     """Seed of the decision's generator (`DecisionRng.seeded`); None when the caller
     passed its own generator."""
+    choice: Choice | None = None
+    """What the policy (or the load-only fallback) computed, indices into the live
+    workers (`fleet` order): the band and how the band rule built it, the workers tied
+    for the least load, the cost-aware policy's costs. `eldr explain` reports it."""
+
+    @property
+    def policy(self) -> str:
+        return self.profile.name
+
+
+@dataclass(frozen=True)
+class Decided:
+    """One decision on a fleet view (`decide_view`): the view, the choice, why it fell
+    back (None: it did not)."""
+
+    view: FleetView
+    choice: Choice
+    fallback: str | None
+
+    @property
+    def index(self) -> int:
+        return self.choice.index
 
 
 class DecisionRng:
@@ -161,9 +191,10 @@ class DecisionRng:
 
 
 def locality_scores(
-    partition: Partition | None, req: RouteRequest, live: tuple[str, ...], tau: float
+    partition: Partition | None, req: RouteRequest, live: tuple[str, ...], tau: float | None
 ) -> tuple[np.ndarray | None, str | None]:
-    """Locality scores of the live workers, or the reason there are none."""
+    """Locality scores of the live workers, or the reason there are none (`tau`: the band
+    an approximate centroid index must keep exact; None: no band)."""
     if partition is None:
         return None, "no_partition"
     if partition.model != req.model:
@@ -181,16 +212,14 @@ def locality_scores(
     return scores, None
 
 
-def request_demand(policy: Policy, req: RouteRequest) -> ExpertDemand | None:
-    """The request's predicted per-step expert activation under `policy`'s parameters
-    (prior, top-k), or None without usable counts."""
+def request_demand(profile: ProfileBase, req: RouteRequest) -> ExpertDemand | None:
+    """The request's predicted per-step expert activation under `profile`'s demand model
+    (top-k, prior), or None without usable counts."""
     counts = req.counts
-    if counts is None or counts.ndim != 2 or not np.any(counts):
+    if counts is None or counts.ndim != 2 or counts.size == 0:
         return None
-    params = policy.params()
-    top_k = int(params.get("top_k", 0) or 0) or estimate_top_k(counts, req.prompt_tokens)
-    prior = float(params.get("prior_tokens", 1.0))
-    return expert_demand(counts, top_k=min(top_k, counts.shape[1]), prior_tokens=prior)
+    top_k, prior = profile.demand_model
+    return request_expert_demand(counts, req.prompt_tokens, top_k=top_k, prior_tokens=prior)
 
 
 def has_centroid(partition: Partition | None, workers: tuple[str, ...]) -> np.ndarray | None:
@@ -201,12 +230,56 @@ def has_centroid(partition: Partition | None, workers: tuple[str, ...]) -> np.nd
     return None if mask.all() else mask
 
 
+def decide_view(
+    policy: Policy,
+    *,
+    workers: tuple[str, ...],
+    in_flight: np.ndarray,
+    kv_tokens: np.ndarray,
+    rng: np.random.Generator,
+    scores: np.ndarray | None = None,
+    has_centroid: np.ndarray | None = None,
+    expert_miss: ActivityView | None = None,
+    demand: ExpertDemand | None = None,
+    fallback: str | None = None,
+) -> Decided:
+    """The one assembly of a decision around `Policy.choose`: build the fleet view, pick
+    the policy or its load-only fallback, choose. The router (`route`), the simulator,
+    the shadow gate, replay and explain all decide through it.
+
+    scores: the live workers' partition scores (None: none; a locality policy then routes
+    with JSQ on its load measure, and `fallback` says why, "no_signature" if not given);
+    has_centroid: which of them own a centroid (None: all, or no scores); demand: the
+    request's per-step expert activation (`request_demand`), expert_miss the workers'
+    idle probabilities (`ActivityTable.view`), both for policies that use worker
+    activity (a table of another geometry is ignored). fallback: a reason the
+    caller already knows (the signature's, the partition's); else the policy's own.
+    """
+    chooser = policy
+    if policy.uses_signature and scores is None:
+        chooser = _JSQ[policy.profile.measure]
+        fallback = fallback or "no_signature"
+    if demand is None or (
+        expert_miss is not None and expert_miss.shape != (demand.num_moe_layers, demand.num_experts)
+    ):
+        expert_miss = None  # nothing to weigh, or the table holds another model's geometry
+    view = FleetView(
+        workers=workers,
+        in_flight=in_flight,
+        kv_tokens=kv_tokens,
+        scores=scores,
+        has_centroid=None if scores is None else has_centroid,
+        expert_miss=expert_miss,
+        demand=demand,
+    )
+    choice = chooser.choose(view, rng)
+    return Decided(view, choice, fallback or choice.fallback)
+
+
 def route(
     req: RouteRequest,
     *,
     policy: Policy,
-    load_measure: LoadMeasure,
-    tau: float,
     partition: Partition | None,
     workers: tuple[str, ...],
     in_flight: np.ndarray,
@@ -214,51 +287,51 @@ def route(
     rng: np.random.Generator,
     rng_seed: int | None = None,
     max_scores: int = 8,
-    expert_miss: np.ndarray | None = None,
+    expert_miss: ActivityView | None = None,
     demand: ExpertDemand | None = None,
 ) -> RouteOutcome:
     """The decision for `req` given the router's inputs (pure apart from `policy`'s own
     state, the round-robin cursor).
 
     workers: the live workers (non-empty); in_flight / kv_tokens: their loads, aligned.
-    `tau` is passed to the centroid index (an approximate index may skip workers certainly
-    outside the band). A locality policy that cannot score the request routes with JSQ on
-    `load_measure` and says why in `fallback`. expert_miss: for policies that use worker
-    activity, `ActivityTable.miss_view(workers)` at decision time (None: not tracked);
-    demand: `request_demand(policy, req)` if the caller has it already.
+    The policy's profile says everything else: whether to score the request against the
+    partition (its band width goes to the centroid index, which may skip workers
+    certainly outside the band), its load measure, its demand model. A locality policy
+    that cannot score the request routes with JSQ on its load measure and says why in
+    `fallback`. expert_miss: for policies that use worker activity,
+    `ActivityTable.view(workers)` at decision time (None: not tracked); demand:
+    `request_demand(policy.profile, req)` if the caller has it already.
     """
+    profile = policy.profile
     scores: np.ndarray | None = None
     fallback: str | None = None
-    chooser = policy
-    if policy.wants_scores:
-        scores, reason = locality_scores(partition, req, workers, tau)
-        if policy.uses_signature and scores is None:
-            chooser = _JSQ[load_measure]
+    if profile.wants_scores:
+        scores, reason = locality_scores(partition, req, workers, profile.band_tau)
+        if profile.uses_signature and scores is None:
             fallback = reason
-    probability: np.ndarray | None = None
-    if policy.uses_activity:
-        expert = demand if demand is not None else request_demand(policy, req)
+    activation: ExpertDemand | None = None
+    if profile.uses_activity:
+        expert = demand if demand is not None else request_demand(profile, req)
         if expert is None:
             fallback = req.signature_error or (
                 "no_signature" if req.counts is None else "empty_signature"
             )
         else:
-            probability = expert.probability()
-            if expert_miss is not None and expert_miss.shape[1] != probability.shape[0]:
-                expert_miss = None  # the table holds another model's geometry
-    view = FleetView(
+            activation = expert
+    decided = decide_view(
+        policy,
         workers=workers,
         in_flight=in_flight,
         kv_tokens=kv_tokens,
+        rng=rng,
         scores=scores,
         has_centroid=None if scores is None else has_centroid(partition, workers),
-        expert_miss=expert_miss if probability is not None else None,
-        demand=probability,
+        expert_miss=expert_miss,
+        demand=activation,
+        fallback=fallback,
     )
-    choice = chooser.choose(view, rng)
-    if choice.fallback and fallback is None:
-        fallback = choice.fallback
-    load = view.load(load_measure)
+    choice = decided.choice
+    load = decided.view.load(profile.measure)
     ranked: tuple[tuple[str, float], ...] = ()
     if scores is not None:
         finite = np.flatnonzero(np.isfinite(scores))
@@ -266,19 +339,18 @@ def route(
         ranked = tuple((workers[i], float(scores[i])) for i in order)
     return RouteOutcome(
         worker_id=workers[choice.index],
-        policy=policy.name,
-        params=policy.params(),
+        profile=profile,
         partition_version=(
-            partition.version if partition is not None and policy.wants_scores else None
+            partition.version if partition is not None and profile.wants_scores else None
         ),
-        fallback=fallback,
+        fallback=decided.fallback,
         scores=ranked,
         band=tuple(workers[i] for i in choice.band),
-        loads=tuple((w, float(x)) for w, x in zip(workers, load, strict=True)),
-        fleet=tuple(
-            (w, int(n), int(kv)) for w, n, kv in zip(workers, in_flight, kv_tokens, strict=True)
-        ),
+        # tolist() and zip: Python numbers without a generator per worker (~10 us less).
+        loads=tuple(zip(workers, map(float, load.tolist()), strict=True)),
+        fleet=tuple(zip(workers, in_flight.tolist(), kv_tokens.tolist(), strict=True)),
         rng_seed=rng_seed,
+        choice=choice,
     )
 
 
@@ -291,7 +363,7 @@ class RouterCore:
 
     def __init__(
         self,
-        policy: PolicySpec,
+        profile: ProfileBase,
         table: LoadTable,
         rng: np.random.Generator,
         max_scores: int = 8,
@@ -317,15 +389,18 @@ class RouterCore:
         noted (decisions are awaited concurrently: several can be between the two). The
         oldest are dropped beyond `DEMAND_CACHE` (a decision that was never published)."""
         self.partition: Partition | None = None
-        self.spec = policy
-        self.policy: Policy = make_policy(policy)
+        self.policy: Policy = make_policy(profile)
         self._decision_rng = DecisionRng()
 
-    def set_policy(self, spec: PolicySpec) -> None:
-        """Switch policy (validated first: a bad spec leaves the old policy in place)."""
-        policy = make_policy(spec)
-        self.spec = spec
-        self.policy = policy
+    @property
+    def profile(self) -> ProfileBase:
+        """The profile this replica routes with."""
+        return self.policy.profile
+
+    def set_profile(self, profile: ProfileBase) -> None:
+        """Route with `profile` from now on (validated first: a bad one leaves the old
+        policy in place)."""
+        self.policy = make_policy(profile)
 
     def set_partition(self, partition: Partition | None) -> None:
         """Route with `partition` from now on; the activity table takes its geometry (a
@@ -352,7 +427,7 @@ class RouterCore:
 
     @property
     def load_measure(self) -> LoadMeasure:
-        return self.spec.load_measure
+        return self.profile.measure
 
     def note_assignment(
         self,
@@ -372,7 +447,7 @@ class RouterCore:
             demand = self._decided_demands.pop(request_id)
         else:
             demand = request_demand(
-                self.policy, RouteRequest(request_id, "", prompt_tokens, counts=counts)
+                self.profile, RouteRequest(request_id, "", prompt_tokens, counts=counts)
             )
         if demand is not None:
             self.activity.add(worker_id, request_id, demand, now_s)
@@ -416,18 +491,16 @@ class RouterCore:
         in_flight, kv = self.table.loads(live)
         seed = int(self.rng.integers(SEED_LIMIT))
         demand: ExpertDemand | None = None
-        miss: np.ndarray | None = None
+        miss: ActivityView | None = None
         if self.policy.uses_activity:
-            demand = request_demand(self.policy, req)
+            demand = request_demand(self.profile, req)
             self._decided_demands[req.request_id] = demand
             while len(self._decided_demands) > DEMAND_CACHE:
                 self._decided_demands.popitem(last=False)
-            miss = self.activity.miss_view(live)
+            miss = self.activity.view(live)
         return route(
             req,
             policy=self.policy,
-            load_measure=self.load_measure,
-            tau=self.spec.tau,
             partition=self.partition,
             workers=live,
             in_flight=in_flight,

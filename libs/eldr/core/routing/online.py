@@ -13,14 +13,16 @@ pure pieces decide what happens around a fit:
   the trainer refits early.
 - **Shadow evaluation** (`shadow_evaluate`): before promoting a candidate, replay
   held-out recent requests (with decode profiles, so what they really activated during
-  decode is known) through both partitions and the cost model's notion of work: each
-  partition routes the requests with the band rule (load = requests sent so far), a
-  worker's batch grows with its share of the traffic, and a step of a batch of B
-  requests drawn from a worker's share costs the expected number of distinct experts it
-  activates, sum over (layer, expert) of 1 - (1 - pbar)^B, pbar the share's mean
-  per-token decode activation; the average request pays its worker's union. The
-  candidate is promoted only if its modelled union is lower by more than `min_gain`
-  (`promotion_verdict`); otherwise the active version stays and the verdict says why.
+  decode is known) through both partitions and the cost model's notion of work: under
+  each partition the requests are routed as the routers route them, with the routers'
+  own profile through the routers' own decision (`shadow_assignment`,
+  `eldr.core.routing.decide.route`); a worker's batch grows with its share of the
+  traffic, and a step of a batch of B requests drawn from a worker's share costs the
+  expected number of distinct experts it activates (`activity.expected_union`: sum over
+  (layer, expert) of 1 - (1 - pbar)^B, pbar the share's mean per-token decode
+  activation); the average request pays its worker's union. The candidate is promoted
+  only if its modelled union is lower by more than `min_gain` (`promotion_verdict`);
+  otherwise the active version stays and the verdict says why.
 - **Triggers** (`refit_trigger`): churn (the live workers differ from the active
   partition's, once the set has been stable for a settle time), drift, or the schedule.
 
@@ -45,8 +47,10 @@ from eldr.core.partition.partition import (
     nearest_workers,
     occupancy_skew,
 )
-from eldr.core.routing.activity import expert_demand
-from eldr.core.routing.policies import locality_band
+from eldr.core.routing.activity import ActivityTable, expected_union, expert_demand
+from eldr.core.routing.decide import SEED_LIMIT, DecisionRng, RouteRequest, request_demand, route
+from eldr.core.routing.policies import make_policy
+from eldr.core.routing.profile import ProfileBase
 
 __all__ = [
     "BASELINE_HELD_OUT_METRIC",
@@ -58,7 +62,6 @@ __all__ = [
     "DriftThresholds",
     "ShadowResult",
     "Verdict",
-    "band_assignment",
     "holdout_mask",
     "modelled_union",
     "nearest_workers",
@@ -68,6 +71,7 @@ __all__ = [
     "prefill_activation",
     "promotion_verdict",
     "refit_trigger",
+    "shadow_assignment",
     "shadow_evaluate",
 ]
 
@@ -250,24 +254,74 @@ class DriftMonitor:
 # --- shadow evaluation ------------------------------------------------------------------
 
 
-def band_assignment(scores: np.ndarray, tau: float, widen_to: int = 2) -> np.ndarray:
-    """Worker per row of scores [N, W] under the ELDR band rule, rows in arrival order.
+def shadow_assignment(
+    partition: Partition,
+    prefill_counts: np.ndarray,
+    workers: Sequence[str],
+    *,
+    profile: ProfileBase,
+    batch: float,
+    num_moe_layers: int,
+    prompt_tokens: np.ndarray | None = None,
+    seed: int = 0,
+) -> np.ndarray:
+    """Worker index (into `workers`) per request, rows in arrival order, as routers
+    running `profile` route them with `partition`: each request goes through
+    `eldr.core.routing.decide.route`, the routers' own decision.
 
-    Each row goes to the band member (`locality_band`) that has been sent the fewest rows
-    so far (lowest index on ties): the band rule with load = requests sent, which balances
-    exactly as far as the bands let it, so a partition whose bands cover only part of the
-    fleet shows up as imbalance. A row with no finite score goes to the least-sent worker.
+    What the routers would see is modelled: a request is in flight until
+    round(batch x workers) later requests have been routed (Little's law at the modelled
+    per-worker batch; with fewer requests, every one routed so far is in flight); a
+    worker's load is its in-flight requests, its KV tokens their prompt tokens (one per
+    request without `prompt_tokens`), its activity their predicted expert demand (for
+    policies that use it). Each decision draws from its own seed, the same under every
+    partition, so two partitions are compared on the same draws.
     """
-    n, w = scores.shape
-    sent = np.zeros(w, dtype=np.int64)
+    prefill = np.asarray(prefill_counts, dtype=np.float32)
+    live = tuple(workers)
+    col = {w: j for j, w in enumerate(live)}
+    n = prefill.shape[0]
+    tokens = np.ones(n, dtype=np.int64) if prompt_tokens is None else prompt_tokens
+    policy = make_policy(profile)
+    draws = np.random.default_rng(seed).integers(SEED_LIMIT, size=max(n, 1), dtype=np.int64)
+    seeds = [int(x) for x in np.atleast_1d(draws)]
+    rngs = DecisionRng()
+    in_flight = np.zeros(len(live), dtype=np.int64)
+    kv = np.zeros(len(live), dtype=np.int64)
+    activity = ActivityTable(ttl_s=float("inf")) if profile.uses_activity else None
+    window = max(1, round(batch * len(live)))
     out = np.empty(n, dtype=np.int64)
-    everyone = np.arange(w)
     for i in range(n):
-        band = locality_band(scores[i], tau, widen_to)
-        candidates = band if band.size else everyone
-        j = int(candidates[np.argmin(sent[candidates])])
+        if i >= window:
+            gone = i - window
+            in_flight[out[gone]] -= 1
+            kv[out[gone]] -= int(tokens[gone])
+            if activity is not None:
+                activity.finish(str(gone))
+        req = RouteRequest(
+            request_id=str(i),
+            model=partition.model,
+            prompt_tokens=int(tokens[i]) if prompt_tokens is not None else 0,
+            counts=prefill[i].reshape(num_moe_layers, -1),
+        )
+        demand = request_demand(profile, req) if activity is not None else None
+        outcome = route(
+            req,
+            policy=policy,
+            partition=partition,
+            workers=live,
+            in_flight=in_flight.copy(),
+            kv_tokens=kv.copy(),
+            rng=rngs.seeded(seeds[i]),
+            expert_miss=None if activity is None else activity.view(live),
+            demand=demand,
+        )
+        j = col[outcome.worker_id]
         out[i] = j
-        sent[j] += 1
+        in_flight[j] += 1
+        kv[j] += int(tokens[i])
+        if activity is not None and demand is not None:
+            activity.add(outcome.worker_id, str(i), demand, float(i))
     return out
 
 
@@ -294,7 +348,8 @@ def modelled_union(
             continue
         pbar = np.clip(activation[members].mean(axis=0), 0.0, 1.0)
         b = max(1.0, batch * m * num_groups / n)
-        union = float((1.0 - np.power(1.0 - pbar, b)).sum())
+        with np.errstate(divide="ignore"):  # pbar = 1: never idle, log 0 = -inf
+            union = expected_union(b * np.log1p(-pbar))
         total += m * union / num_layers
     return total / n
 
@@ -348,9 +403,11 @@ def shadow_evaluate(
     activation: np.ndarray,
     workers: Sequence[str],
     *,
+    profile: ProfileBase,
     batch: float,
     num_moe_layers: int,
-    tau: float = 0.1,
+    prompt_tokens: np.ndarray | None = None,
+    seed: int = 0,
     source: str = "decode profiles",
 ) -> ShadowResult:
     """Route held-out requests under both partitions and model their expert unions.
@@ -358,9 +415,9 @@ def shadow_evaluate(
     prefill_counts: flat [N, L * E] rows in arrival order (what routing sees);
     activation: [N, L * E] the same requests' per-token decode activation
     (`per_token_activation` of their decode profiles, or `prefill_activation` as a proxy,
-    named by `source`); workers: the live workers both are routed to (a worker a partition
-    has no centroid for gets no traffic here); batch: the fleet's mean batch per worker;
-    tau: the routers' band width (`band_assignment`, `modelled_union`).
+    named by `source`); workers: the live workers both are routed to; profile: the
+    routers' routing profile (`shadow_assignment`, which also takes `prompt_tokens` and
+    `seed`); batch: the fleet's mean batch per worker (`modelled_union`).
     """
     prefill = np.asarray(prefill_counts, dtype=np.float32)
     act = np.asarray(activation, dtype=np.float64)
@@ -373,7 +430,16 @@ def shadow_evaluate(
     n = prefill.shape[0]
     unions = []
     for partition in (active, candidate):
-        groups = band_assignment(partition_scores(partition, prefill, workers), tau)
+        groups = shadow_assignment(
+            partition,
+            prefill,
+            workers,
+            profile=profile,
+            batch=batch,
+            num_moe_layers=num_moe_layers,
+            prompt_tokens=prompt_tokens,
+            seed=seed,
+        )
         unions.append(modelled_union(groups, act, len(workers), batch, num_moe_layers))
     return ShadowResult(n, batch, unions[0], unions[1], source)
 

@@ -2,12 +2,13 @@
 
 Every policy implements one interface, `Policy.choose(view, rng) -> Choice`, over a
 `FleetView`: the candidate workers (live ones only), their loads, and, for locality-aware
-policies, each worker's similarity to the request's signature. Policies are pure apart from
-their own small state (the round-robin cursor); randomness comes in as a Generator, so a run
-is deterministic for a seed.
-
-Load measures: "requests" (in-flight requests: running + waiting + assigned but not yet
-admitted) or "kv_tokens" (tokens held or about to be held in the worker's KV cache).
+policies, each worker's similarity to the request's signature. A policy is built from its
+profile (`eldr.core.routing.profile`: the parameters, typed, each default written there) by
+`make_policy`, through `POLICIES`, which maps each profile type to its policy class.
+Policies are pure apart from their own small state (the round-robin cursor); randomness
+comes in as a Generator, so a run is deterministic for a seed. A `Choice` says what the
+policy computed (its band and how the band rule built it, the workers tied for the least
+load, the cost-aware policy's costs), so that explain reports it instead of re-deriving it.
 
 The ELDR rule (paper section "locality-band routing", artifact `locality_band`, policy
 "eldr"): scores = cosine(signature, centroid of each worker); band = {i : scores[i] >= max -
@@ -21,9 +22,9 @@ Beyond the paper (docs/ONLINE.md):
 - "eldr_bounded": the band rule over the workers whose load is at most (1 + slack) x the
   fleet's mean (+1), so locality can never pile load on one worker beyond that bound.
 - "eldr_cost" (the default): cost-model-aware. For each worker it predicts, from the
-  experts its in-flight requests are likely to activate (`eldr.core.routing.activity`), what the
-  request would add to the worker's per-step expert union (dU) and what its batch's union
-  is now (U); a step costs a fixed part plus a term proportional to U, so sending the
+  experts its in-flight requests are likely to activate (`eldr.core.routing.activity`), what
+  the request would add to the worker's per-step expert union (dU) and what its batch's
+  union is now (U); a step costs a fixed part plus a term proportional to U, so sending the
   request there costs the fleet U + (n + 1) dU expert loads per step (its own steps, and
   n requests already there slowed by dU). It picks the cheapest worker. No partition
   needed; with `locality_weight` > 0 the partition's cosine score is a bonus.
@@ -32,13 +33,25 @@ Beyond the paper (docs/ONLINE.md):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
-LoadMeasure = Literal["requests", "kv_tokens"]
-LOAD_MEASURES: tuple[LoadMeasure, ...] = ("requests", "kv_tokens")
+from eldr.core.routing.activity import ActivityView, ExpertDemand
+from eldr.core.routing.profile import (
+    EldrBoundedProfile,
+    EldrCostProfile,
+    EldrProfile,
+    JsqProfile,
+    LoadMeasure,
+    OracleProfile,
+    P2cProfile,
+    ProfileBase,
+    RandomProfile,
+    RoundRobinProfile,
+    validated,
+)
 
 
 @dataclass(frozen=True)
@@ -51,11 +64,11 @@ class FleetView:
     centroid (-inf where a worker has none), or None when no signature or partition exists.
     has_centroid: bool per worker, whether the partition gives it a centroid (None: no
     partition, or every worker has one).
-    expert_miss: float [workers, L * E], per worker the predicted probability that each
-    (MoE layer, expert) is idle in its next decode step, given its in-flight requests
-    (`eldr.core.routing.activity.ActivityTable`); None when not tracked.
-    demand: float [L * E], the request's predicted per-step activation probability of each
-    (MoE layer, expert) (`eldr.core.routing.activity.expert_demand`); None without a signature.
+    expert_miss: per worker the predicted probability that each (MoE layer, expert) is idle
+    in its next decode step, given its in-flight requests (`ActivityTable.view`, read at
+    the request's non-zero cells only); None when not tracked.
+    demand: the request's predicted per-step activation of each (MoE layer, expert)
+    (`eldr.core.routing.activity.expert_demand`, sparse); None without a signature.
     """
 
     workers: tuple[str, ...]
@@ -63,8 +76,8 @@ class FleetView:
     kv_tokens: np.ndarray
     scores: np.ndarray | None = None
     has_centroid: np.ndarray | None = None
-    expert_miss: np.ndarray | None = None
-    demand: np.ndarray | None = None
+    expert_miss: ActivityView | None = None
+    demand: ExpertDemand | None = None
 
     def __post_init__(self) -> None:
         n = len(self.workers)
@@ -78,17 +91,17 @@ class FleetView:
             raise ValueError(f"scores has shape {self.scores.shape}, expected ({n},)")
         if self.has_centroid is not None and self.has_centroid.shape != (n,):
             raise ValueError(f"has_centroid has shape {self.has_centroid.shape}, expected ({n},)")
-        if self.demand is not None and self.demand.ndim != 1:
-            raise ValueError(f"demand must be a vector, got shape {self.demand.shape}")
         if self.expert_miss is not None:
-            dim = None if self.demand is None else self.demand.shape[0]
-            if self.expert_miss.ndim != 2 or self.expert_miss.shape[0] != n:
+            if len(self.expert_miss) != n:
+                raise ValueError(f"expert_miss has {len(self.expert_miss)} rows, expected {n}")
+            demand = self.demand
+            if demand is not None and self.expert_miss.shape != (
+                demand.num_moe_layers,
+                demand.num_experts,
+            ):
                 raise ValueError(
-                    f"expert_miss has shape {self.expert_miss.shape}, expected ({n}, dim)"
-                )
-            if dim is not None and self.expert_miss.shape[1] != dim:
-                raise ValueError(
-                    f"expert_miss has {self.expert_miss.shape[1]} columns, demand {dim}"
+                    f"expert_miss is {self.expert_miss.shape}, the demand "
+                    f"{demand.num_moe_layers} x {demand.num_experts}"
                 )
 
     def load(self, measure: LoadMeasure) -> np.ndarray:
@@ -100,22 +113,88 @@ class FleetView:
 
 
 @dataclass(frozen=True)
+class BandTrace:
+    """How the band rule built a decision's band (indices into `FleetView.workers`)."""
+
+    best: int
+    """The best-scoring eligible worker."""
+    best_score: float
+    tau: float
+    within: tuple[int, ...]
+    """The scored workers within tau of the best (the band before widening)."""
+    widened_to: int
+    """Members the band was widened to (0: it was not widened)."""
+    newcomers: tuple[int, ...] = ()
+    """Members without a centroid, in the band for being less loaded than all of it."""
+    bound: float | None = None
+    """eldr_bounded: the load at most a worker may carry to be eligible."""
+    over_bound: tuple[int, ...] = ()
+    """eldr_bounded: the scored workers above the bound (not eligible)."""
+
+
+@dataclass(frozen=True)
 class Choice:
     """A policy's answer: the chosen index into FleetView.workers, and why."""
 
     index: int
     band: tuple[int, ...] = ()
     fallback: str | None = None
+    tied: tuple[int, ...] = ()
+    """The candidates tied for the least load (the cost-aware policy: the least cost);
+    several: the decision's draw picked `index`. Empty for round-robin and random."""
+    rule: BandTrace | None = None
+    costs: np.ndarray | None = None
+    """The cost-aware policy's predicted fleet cost per worker (expert loads per step)."""
 
 
-def argmin_random_tie(values: np.ndarray, candidates: np.ndarray, rng: np.random.Generator) -> int:
-    """Index (into the full array) of the smallest value among candidates; random tie-break."""
+def least_loaded(
+    values: np.ndarray, candidates: np.ndarray, rng: np.random.Generator
+) -> tuple[int, np.ndarray]:
+    """(index into the full array of the smallest value among candidates, random tie-break;
+    the tied candidates)."""
     cand_values = values[candidates]
     best = cand_values.min()
     ties = candidates[cand_values == best]
     if ties.size == 1:
-        return int(ties[0])
-    return int(ties[rng.integers(ties.size)])
+        return int(ties[0]), ties
+    return int(ties[rng.integers(ties.size)]), ties
+
+
+def _pick(
+    values: np.ndarray,
+    candidates: np.ndarray,
+    rng: np.random.Generator,
+    *,
+    band: np.ndarray | None = None,
+    fallback: str | None = None,
+    rule: BandTrace | None = None,
+) -> Choice:
+    idx, ties = least_loaded(values, candidates, rng)
+    return Choice(
+        index=idx,
+        band=() if band is None else tuple(band.tolist()),
+        fallback=fallback,
+        tied=tuple(ties.tolist()),
+        rule=rule,
+    )
+
+
+def _band(scores: np.ndarray, tau: float, widen_to: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """(band, the members within tau before widening, best index); empty without a finite
+    score (best -1)."""
+    if tau < 0:
+        raise ValueError(f"tau must be non-negative, got {tau}")
+    finite = np.isfinite(scores)
+    if not finite.any():
+        empty = np.empty(0, dtype=np.int64)
+        return empty, empty, -1
+    best = scores[finite].max()
+    within = np.flatnonzero(finite & (scores >= best - tau))
+    band = within
+    if tau > 0 and band.size == 1 and widen_to > 1:
+        order = np.argsort(-np.where(finite, scores, -np.inf), kind="stable")
+        band = np.sort(order[: min(widen_to, int(finite.sum()))])
+    return band, within, int(within[np.argmax(scores[within])])
 
 
 def locality_band(scores: np.ndarray, tau: float, widen_to: int = 2) -> np.ndarray:
@@ -125,17 +204,7 @@ def locality_band(scores: np.ndarray, tau: float, widen_to: int = 2) -> np.ndarr
     worker qualifies, the band widens to the `widen_to` best-scoring workers, so a single
     dominant centroid cannot pin all of its traffic on one worker.
     """
-    if tau < 0:
-        raise ValueError(f"tau must be non-negative, got {tau}")
-    finite = np.isfinite(scores)
-    if not finite.any():
-        return np.empty(0, dtype=np.int64)
-    best = scores[finite].max()
-    band = np.flatnonzero(finite & (scores >= best - tau))
-    if tau > 0 and band.size == 1 and widen_to > 1:
-        order = np.argsort(-np.where(finite, scores, -np.inf), kind="stable")
-        band = np.sort(order[: min(widen_to, int(finite.sum()))])
-    return band
+    return _band(scores, tau, widen_to)[0]
 
 
 def with_newcomers(band: np.ndarray, view: FleetView, loads: np.ndarray) -> np.ndarray:
@@ -154,38 +223,60 @@ def with_newcomers(band: np.ndarray, view: FleetView, loads: np.ndarray) -> np.n
 
 
 class Policy(ABC):
-    """A routing policy. Subclasses set `name` and implement `choose`."""
+    """A routing policy, built from its profile (`make_policy`). Subclasses set
+    `profile_type` and implement `choose`; what a policy reads (partition scores, worker
+    activity) is its profile's to say."""
 
-    name: ClassVar[str]
-    uses_signature: ClassVar[bool] = False
-    """Needs partition scores; routes load-only (and says why) without them."""
-    uses_activity: ClassVar[bool] = False
-    """Reads `FleetView.demand` and `expert_miss` (the caller tracks worker activity)."""
+    profile_type: ClassVar[type[ProfileBase]]
+    profile: ProfileBase
+
+    def __init__(self, profile: ProfileBase | None = None) -> None:
+        """`profile` unchecked (`make_policy` validates it); None: the type's defaults."""
+        if profile is None:
+            profile = self.profile_type()
+        if type(profile) is not self.profile_type:
+            raise TypeError(
+                f"{type(self).__name__} takes a {self.profile_type.__name__}, "
+                f"not a {type(profile).__name__}"
+            )
+        self.profile = profile
+
+    @property
+    def name(self) -> str:
+        return self.profile.name
+
+    @property
+    def uses_signature(self) -> bool:
+        return self.profile.uses_signature
+
+    @property
+    def uses_activity(self) -> bool:
+        return self.profile.uses_activity
 
     @property
     def wants_scores(self) -> bool:
-        """Whether the caller should compute partition scores for this policy."""
-        return self.uses_signature
+        return self.profile.wants_scores
 
     @property
     def needs_signature(self) -> bool:
-        """Whether routing reads the request's prefill counts (fetch them for it)."""
-        return self.uses_signature or self.uses_activity or self.wants_scores
+        return self.profile.needs_signature
 
     @abstractmethod
     def choose(self, view: FleetView, rng: np.random.Generator) -> Choice: ...
 
-    def params(self) -> dict[str, float | int | str]:
-        """Parameters recorded with each decision (for replay and explain)."""
-        return {}
+    def resume_after(self, worker_id: str, workers: tuple[str, ...]) -> None:
+        """Continue as if `worker_id` had just been chosen among `workers` (a replay that
+        starts in the middle of a router's decisions); only stateful policies
+        (`ProfileBase.stateful`) have anything to resume."""
+        return None
 
 
 class RoundRobin(Policy):
-    name = "round_robin"
+    profile_type = RoundRobinProfile
 
-    def __init__(self) -> None:
+    def __init__(self, profile: ProfileBase | None = None) -> None:
+        super().__init__(profile)
         self._cursor = 0
-        self._last_workers: tuple[str, ...] = ()
         self._next_id: str | None = None
 
     def choose(self, view: FleetView, rng: np.random.Generator) -> Choice:
@@ -208,47 +299,38 @@ class RoundRobin(Policy):
 
 
 class RandomChoice(Policy):
-    name = "random"
+    profile_type = RandomProfile
 
     def choose(self, view: FleetView, rng: np.random.Generator) -> Choice:
         return Choice(index=int(rng.integers(len(view.workers))))
 
 
-@dataclass
 class JoinShortestQueue(Policy):
     """Fewest in-flight (or KV tokens); ties broken at random."""
 
-    load_measure: LoadMeasure = "requests"
-    name: ClassVar[str] = "jsq"
+    profile_type = JsqProfile
+    profile: JsqProfile
 
     def choose(self, view: FleetView, rng: np.random.Generator) -> Choice:
-        loads = view.load(self.load_measure)
-        return Choice(index=argmin_random_tie(loads, np.arange(len(view.workers)), rng))
-
-    def params(self) -> dict[str, float | int | str]:
-        return {"load_measure": self.load_measure}
+        loads = view.load(self.profile.load_measure)
+        return _pick(loads, np.arange(len(view.workers)), rng)
 
 
-@dataclass
 class PowerOfTwoChoices(Policy):
     """Sample two distinct workers uniformly, take the less loaded."""
 
-    load_measure: LoadMeasure = "requests"
-    name: ClassVar[str] = "p2c"
+    profile_type = P2cProfile
+    profile: P2cProfile
 
     def choose(self, view: FleetView, rng: np.random.Generator) -> Choice:
         n = len(view.workers)
         if n == 1:
             return Choice(index=0)
         pair = rng.choice(n, size=2, replace=False)
-        loads = view.load(self.load_measure)
-        return Choice(index=argmin_random_tie(loads, np.sort(pair), rng))
-
-    def params(self) -> dict[str, float | int | str]:
-        return {"load_measure": self.load_measure}
+        loads = view.load(self.profile.load_measure)
+        return _pick(loads, np.sort(pair), rng)
 
 
-@dataclass
 class LocalityBand(Policy):
     """ELDR: least-loaded worker among those whose centroid best matches the signature.
 
@@ -256,35 +338,47 @@ class LocalityBand(Policy):
     measure and says so in `Choice.fallback`.
     """
 
-    tau: float = 0.1
-    load_measure: LoadMeasure = "requests"
-    widen_to: int = 2
-    name: ClassVar[str] = "eldr"
-    uses_signature: ClassVar[bool] = True
-
-    def __post_init__(self) -> None:
-        if self.tau < 0:
-            raise ValueError(f"tau must be non-negative, got {self.tau}")
-        if self.load_measure not in LOAD_MEASURES:
-            raise ValueError(f"unknown load measure {self.load_measure!r}")
+    profile_type: ClassVar[type[ProfileBase]] = EldrProfile
+    profile: EldrProfile
 
     def choose(self, view: FleetView, rng: np.random.Generator) -> Choice:
-        loads = view.load(self.load_measure)
+        p = self.profile
+        loads = view.load(p.load_measure)
         all_idx = np.arange(len(view.workers))
         if view.scores is None:
-            return Choice(index=argmin_random_tie(loads, all_idx, rng), fallback="no_signature")
-        band = locality_band(view.scores, self.tau, self.widen_to)
+            return _pick(loads, all_idx, rng, fallback="no_signature")
+        band, within, best = _band(view.scores, p.tau, p.widen_to)
         if band.size == 0:
-            return Choice(index=argmin_random_tie(loads, all_idx, rng), fallback="no_centroid")
+            return _pick(loads, all_idx, rng, fallback="no_centroid")
+        return self._from_band(view, loads, band, within, best, rng)
+
+    def _from_band(
+        self,
+        view: FleetView,
+        loads: np.ndarray,
+        band: np.ndarray,
+        within: np.ndarray,
+        best: int,
+        rng: np.random.Generator,
+        bound: float | None = None,
+        over_bound: np.ndarray | None = None,
+    ) -> Choice:
+        assert view.scores is not None
+        scored = band
         band = with_newcomers(band, view, loads)
-        idx = argmin_random_tie(loads, band, rng)
-        return Choice(index=idx, band=tuple(int(i) for i in band))
+        rule = BandTrace(
+            best=best,
+            best_score=float(view.scores[best]),
+            tau=self.profile.tau,
+            within=tuple(within.tolist()),
+            widened_to=int(scored.size) if scored.size != within.size else 0,
+            newcomers=tuple(np.setdiff1d(band, scored).tolist()) if band.size > scored.size else (),
+            bound=bound,
+            over_bound=() if over_bound is None else tuple(over_bound.tolist()),
+        )
+        return _pick(loads, band, rng, band=band, rule=rule)
 
-    def params(self) -> dict[str, float | int | str]:
-        return {"tau": self.tau, "load_measure": self.load_measure, "widen_to": self.widen_to}
 
-
-@dataclass
 class BoundedBand(LocalityBand):
     """The ELDR band over the workers whose load is within a bound of the fleet mean.
 
@@ -293,33 +387,25 @@ class BoundedBand(LocalityBand):
     so a popular cluster spills to its next-best eligible neighbour instead of queueing.
     """
 
-    slack: float = 0.1
-    name: ClassVar[str] = "eldr_bounded"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.slack < 0:
-            raise ValueError(f"slack must be non-negative, got {self.slack}")
+    profile_type = EldrBoundedProfile
+    profile: EldrBoundedProfile
 
     def choose(self, view: FleetView, rng: np.random.Generator) -> Choice:
         if view.scores is None:
             return super().choose(view, rng)
-        loads = view.load(self.load_measure)
-        eligible = loads <= (1.0 + self.slack) * float(loads.mean()) + 1.0
+        p = self.profile
+        loads = view.load(p.load_measure)
+        bound = (1.0 + p.slack) * float(loads.mean()) + 1.0
+        eligible = loads <= bound
         scores = np.where(eligible, view.scores, -np.inf)
         if not np.isfinite(scores).any():
             # Every scored worker is over the bound: newcomers or the least loaded.
             return super().choose(view, rng)
-        band = locality_band(scores, self.tau, self.widen_to)
-        band = with_newcomers(band, view, loads)
-        idx = argmin_random_tie(loads, band, rng)
-        return Choice(index=idx, band=tuple(int(i) for i in band))
-
-    def params(self) -> dict[str, float | int | str]:
-        return {**super().params(), "slack": self.slack}
+        band, within, best = _band(scores, p.tau, p.widen_to)
+        over = np.flatnonzero(~eligible & np.isfinite(view.scores))
+        return self._from_band(view, loads, band, within, best, rng, bound, over)
 
 
-@dataclass
 class MarginalUnion(Policy):
     """Cost-model-aware locality: the worker where the request adds least step time.
 
@@ -335,27 +421,8 @@ class MarginalUnion(Policy):
     JSQ on `load_measure` and says so.
     """
 
-    load_measure: LoadMeasure = "requests"
-    locality_weight: float = 0.0
-    prior_tokens: float = 1.0
-    top_k: int = 0
-    """Experts per token per layer for the demand estimate; 0 = estimate per request."""
-    name: ClassVar[str] = "eldr_cost"
-    uses_activity: ClassVar[bool] = True
-
-    def __post_init__(self) -> None:
-        if self.load_measure not in LOAD_MEASURES:
-            raise ValueError(f"unknown load measure {self.load_measure!r}")
-        if self.locality_weight < 0:
-            raise ValueError(f"locality_weight must be non-negative, got {self.locality_weight}")
-        if self.prior_tokens <= 0:
-            raise ValueError(f"prior_tokens must be positive, got {self.prior_tokens}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be non-negative, got {self.top_k}")
-
-    @property
-    def wants_scores(self) -> bool:
-        return self.locality_weight > 0
+    profile_type = EldrCostProfile
+    profile: EldrCostProfile
 
     def costs(self, view: FleetView) -> np.ndarray:
         """Predicted fleet cost of sending the request to each worker (expert loads/step)."""
@@ -363,119 +430,61 @@ class MarginalUnion(Policy):
             raise ValueError("marginal-union costs need the request's demand")
         demand = view.demand
         if view.expert_miss is None:
-            added = np.full(len(view.workers), float(demand.sum()))
+            added = np.full(len(view.workers), demand.total)
             union = np.zeros(len(view.workers))
         else:
-            added = view.expert_miss @ demand
-            union = view.expert_miss.shape[1] - view.expert_miss.sum(axis=1)
-        cost = union + (view.in_flight.astype(np.float64) + 1.0) * added
-        if self.locality_weight > 0 and view.scores is not None:
+            union, added = view.expert_miss.marginal(demand)
+        # union + (n + 1) dU, in place (float addition commutes exactly).
+        added *= view.in_flight + 1.0
+        cost = np.add(added, union, out=added)
+        weight = self.profile.locality_weight
+        if weight > 0 and view.scores is not None:
             bonus = np.where(np.isfinite(view.scores), view.scores, 0.0)
-            cost = cost - self.locality_weight * bonus
+            cost = cost - weight * bonus
         return np.asarray(cost, dtype=np.float64)
 
     def choose(self, view: FleetView, rng: np.random.Generator) -> Choice:
         if view.demand is None:
-            loads = view.load(self.load_measure)
-            idx = argmin_random_tie(loads, np.arange(len(view.workers)), rng)
-            return Choice(index=idx, fallback="no_signature")
+            loads = view.load(self.profile.load_measure)
+            return _pick(loads, np.arange(len(view.workers)), rng, fallback="no_signature")
         cost = self.costs(view)
         # Costs are sums of floats: treat near-equal ones as ties.
         best = float(cost.min())
         ties = np.flatnonzero(cost <= best + 1e-9 * max(1.0, abs(best)))
         idx = int(ties[0]) if ties.size == 1 else int(ties[rng.integers(ties.size)])
-        return Choice(index=idx)
-
-    def params(self) -> dict[str, float | int | str]:
-        return {
-            "load_measure": self.load_measure,
-            "locality_weight": self.locality_weight,
-            "prior_tokens": self.prior_tokens,
-            "top_k": self.top_k,
-        }
+        return Choice(index=idx, tied=tuple(ties.tolist()), costs=cost)
 
 
-@dataclass
 class Oracle(LocalityBand):
     """The ELDR rule fed with the request's true decode signature (benchmark only).
 
     The policy itself is the locality band; what makes it an oracle is that the caller
-    scores it with the decode-phase expert profile, which no real router can know at
-    routing time, against centroids fitted on decode profiles.
+    scores it with the decode-phase expert profile (`OracleProfile.scores_decode`), which
+    no real router can know at routing time, against centroids fitted on decode profiles.
     """
 
-    name: ClassVar[str] = "oracle"
+    profile_type = OracleProfile
 
 
-@dataclass(frozen=True)
-class PolicySpec:
-    """A policy by name plus parameters, as configured in settings or on the command line."""
-
-    name: str
-    tau: float = 0.1
-    load_measure: LoadMeasure = "requests"
-    extra: dict[str, float] = field(default_factory=dict)
-
-
-POLICY_NAMES = (
-    "round_robin",
-    "random",
-    "jsq",
-    "p2c",
-    "eldr",
-    "eldr_bounded",
-    "eldr_cost",
-    "oracle",
-)
-LOAD_ONLY_POLICIES = ("round_robin", "random", "jsq", "p2c")
-DEFAULT_POLICY = "eldr_cost"
-"""The policy routers and `eldr bench` use unless told otherwise (docs/ONLINE.md)."""
-PAPER_POLICY = "eldr"
-"""The ELDR paper's locality-band rule, always selectable and reported beside the default."""
-POLICY_EXTRA_PARAMS: dict[str, tuple[str, ...]] = {
-    "eldr": ("widen_to",),
-    "oracle": ("widen_to",),
-    "eldr_bounded": ("widen_to", "slack"),
-    "eldr_cost": ("locality_weight", "prior_tokens", "top_k"),
+POLICIES: dict[type[ProfileBase], type[Policy]] = {
+    cls.profile_type: cls
+    for cls in (
+        RoundRobin,
+        RandomChoice,
+        JoinShortestQueue,
+        PowerOfTwoChoices,
+        LocalityBand,
+        BoundedBand,
+        MarginalUnion,
+        Oracle,
+    )
 }
-"""Parameters each policy takes from `PolicySpec.extra`."""
+"""The policy class of each profile type."""
 
 
-def make_policy(spec: PolicySpec) -> Policy:
-    """Instantiate a policy from its name and parameters (unknown extras are an error)."""
-    known = POLICY_EXTRA_PARAMS.get(spec.name, ())
-    unknown = sorted(set(spec.extra) - set(known))
-    if unknown and spec.name in POLICY_NAMES:
-        raise ValueError(
-            f"policy {spec.name!r} takes no parameter {', '.join(unknown)} "
-            f"(it takes: {', '.join(known) or 'none'})"
-        )
-    x = spec.extra
-    if spec.name == "round_robin":
-        return RoundRobin()
-    if spec.name == "random":
-        return RandomChoice()
-    if spec.name == "jsq":
-        return JoinShortestQueue(load_measure=spec.load_measure)
-    if spec.name == "p2c":
-        return PowerOfTwoChoices(load_measure=spec.load_measure)
-    widen_to = int(x.get("widen_to", 2))
-    if spec.name == "eldr":
-        return LocalityBand(tau=spec.tau, load_measure=spec.load_measure, widen_to=widen_to)
-    if spec.name == "eldr_bounded":
-        return BoundedBand(
-            tau=spec.tau,
-            load_measure=spec.load_measure,
-            widen_to=widen_to,
-            slack=float(x.get("slack", 0.1)),
-        )
-    if spec.name == "eldr_cost":
-        return MarginalUnion(
-            load_measure=spec.load_measure,
-            locality_weight=float(x.get("locality_weight", 0.0)),
-            prior_tokens=float(x.get("prior_tokens", 1.0)),
-            top_k=int(x.get("top_k", 0)),
-        )
-    if spec.name == "oracle":
-        return Oracle(tau=spec.tau, load_measure=spec.load_measure, widen_to=widen_to)
-    raise ValueError(f"unknown policy {spec.name!r} (known: {', '.join(POLICY_NAMES)})")
+def make_policy(profile: ProfileBase) -> Policy:
+    """A fresh policy for `profile`, its constraints checked (ValueError says which)."""
+    cls = POLICIES.get(type(profile))
+    if cls is None:
+        raise ValueError(f"no policy for profile {type(profile).__name__}")
+    return cls(validated(profile))

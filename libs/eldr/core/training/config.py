@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
+from eldr.core.routing.profile import DEFAULT_PROFILE, ProfileBase
+
 
 @dataclass(frozen=True)
 class TrainerConfig:
@@ -36,7 +38,8 @@ class TrainerConfig:
     shadow_holdout_fraction: float = 0.2
     shadow_min_requests: int = 32
     shadow_batch: float = 0.0
-    shadow_tau: float = 0.1
+    routing_profile: ProfileBase = DEFAULT_PROFILE
+    """The routers' routing profile: the shadow gate routes with it."""
     drift_detection: bool = True
     drift_window: int = 512
     drift_min_samples: int = 128

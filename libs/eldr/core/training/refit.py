@@ -51,6 +51,7 @@ from eldr.core.routing.online import (
     refit_trigger,
     shadow_evaluate,
 )
+from eldr.core.routing.profile import ProfileBase
 from eldr.core.training.config import TrainerConfig
 from eldr.core.training.trainwindow import (
     DecisionOutcome,
@@ -240,13 +241,14 @@ def shadow_gate(
     *,
     min_requests: int,
     batch: float,
-    tau: float,
+    profile: ProfileBase,
 ) -> tuple[ShadowResult | None, str]:
     """Route the held-out requests under both partitions and model their unions
     (`shadow_evaluate`), or say why there are too few to judge by. The held-out requests'
     decode profiles give what they activate; with fewer than `min_requests` profiled, their
-    prefill counts stand in ("prefill proxy"). `tau`: the band width the requests are
-    routed with (the routers'). The only place a refit's verdict routes requests."""
+    prefill counts stand in ("prefill proxy"). `profile`: the routers' routing profile, which
+    the requests are routed with (`shadow_evaluate`, through the routers' own decision). The
+    only place a refit's verdict routes requests."""
     num_moe_layers = training.num_moe_layers
     profiled = held & training.has_profile
     if training.decode is not None and int(profiled.sum()) >= min_requests:
@@ -269,7 +271,7 @@ def shadow_gate(
         workers,
         batch=batch,
         num_moe_layers=num_moe_layers,
-        tau=tau,
+        profile=profile,
         source=source,
     )
     return result, ""
@@ -281,17 +283,17 @@ def plan_refit(
     *,
     config: TrainerConfig,
     in_flight: Mapping[str, int],
-    tau: float,
     checkpoint: Callable[[], None] | None = None,
     clock: Callable[[], float] | None = None,
 ) -> RefitResult:
     """Fit a candidate on `selection`, aligned to `previous` (the active version), judge it
     and decide whether to promote it (module docstring, step 2).
 
-    in_flight: requests in flight per worker (load reports; `shadow_batch`); tau: the band
-    width the shadow gate routes with. `checkpoint` is called inside the fit's loops, before
-    the shadow evaluation and before returning; whatever `FitAborted` it raises ends the
-    refit as `FitFailed` (so does a fit that cannot run), before anything is decided.
+    in_flight: requests in flight per worker (load reports; `shadow_batch`); the shadow gate
+    routes with the routers' profile (`config.routing_profile`). `checkpoint` is called
+    inside the fit's loops, before the shadow evaluation and before returning; whatever
+    `FitAborted` it raises ends the refit as `FitFailed` (so does a fit that cannot run),
+    before anything is decided.
     `clock` (seconds) times the fit and an abandoned one's message.
     """
     now = clock or _no_clock
@@ -359,7 +361,7 @@ def plan_refit(
             workers,
             min_requests=config.shadow_min_requests,
             batch=shadow_batch(config.shadow_batch, in_flight, workers),
-            tau=tau,
+            profile=config.routing_profile,
         )
     check()  # nothing is decided (and so nothing stored) after the time limit
     verdict = promotion_verdict(shadow, config.shadow_min_gain, forced=ungated, missing=missing)
