@@ -88,3 +88,43 @@ def test_the_command_writes_its_json(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert data["input"]["synthetic"] is True
     assert data["results"][0]["sent"] == 30
+
+
+def test_one_run_reports_jsq_beside_the_policy_cpu_saturation_and_replicas(
+    tmp_path: Path,
+) -> None:
+    result = run(
+        PipelineConfig(
+            rates=(30.0,),
+            duration_s=1.0,
+            decoders=2,
+            state_dir=tmp_path,
+            rss_every_s=0,
+            compare_policy="jsq",
+            saturation_rates=(20.0, 40.0),
+            replica_counts=(2,),
+            throughput_rate=40.0,
+            settle_s=0.2,
+        )
+    )
+    assert set(result["policies"]) == {"eldr_cost", "jsq"}
+    assert result["results"] == result["policies"]["eldr_cost"]
+    for rows in result["policies"].values():
+        (row,) = rows
+        assert row["stream_lost"] == row["stream_doubled"] == 0
+        assert row["router_cpu_us_per_decision"] > 0
+        assert row["cpu"]["cpu_s"].keys() >= {"router-0", "nats-server", "bench (replayer)"}
+        assert len(row["load_average"]) == 3
+    (versus,) = result["versus"]
+    assert versus["rate"] == 30.0
+    assert versus["p50_ratio"] > 0
+    saturation = result["saturation"]
+    assert [s["rate"] for s in saturation["steps"]] == [20.0, 40.0][: len(saturation["steps"])]
+    assert saturation["saturation_rate"] in (None, 20.0, 40.0)
+    (replicas,) = result["replicas"]
+    assert replicas["routers"] == 2
+    assert replicas["stream_lost"] == 0
+    assert replicas["cpu"]["cpu_s"].keys() >= {"router-0", "router-1"}
+    table = format_table(result)
+    assert "eldr_cost / jsq" in table
+    assert "throughput by router replicas" in table

@@ -1,4 +1,5 @@
-"""The benchmarks' command lines: `eldr bench`, `bench-kmeans`, `bench-pipeline`, `bench-moe-step`.
+"""The benchmarks' command lines: `eldr bench`, `bench-kmeans`, `bench-decide`,
+`bench-pipeline`, `bench-moe-step`.
 
 The argparse wiring of every benchmark lives here; the benchmark modules hold what they
 measure and import nothing from this one. `eldr bench --scenario drift|churn` dispatches to
@@ -35,6 +36,7 @@ def register(subparsers: Any) -> None:
     """Add every benchmark command (what `eldr.cli` calls)."""
     _register_bench(subparsers)
     _register_kmeans(subparsers)
+    _register_decide(subparsers)
     _register_pipeline(subparsers)
     _register_moe_step(subparsers)
 
@@ -356,6 +358,62 @@ def _run_kmeans(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- eldr bench-decide -----------------------------------------------------------------------
+
+
+def _register_decide(subparsers: Any) -> None:
+    from eldr.bench import decide_bench
+    from eldr.core.routing.profile import ROUTER_POLICIES
+
+    p = subparsers.add_parser(
+        "bench-decide",
+        help="in-process decision time of RouterCore.decide per policy (microseconds)",
+        description=decide_bench.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--traces", type=Path, help="trace directory (<label>/<n>.json); default: synthetic"
+    )
+    p.add_argument("--num-experts", type=int, default=None)
+    p.add_argument(
+        "--policies",
+        default=",".join(decide_bench.DEFAULT_POLICIES),
+        help=f"comma-separated policies (of {', '.join(ROUTER_POLICIES)})",
+    )
+    p.add_argument("--workers", type=int, default=16)
+    p.add_argument("--in-flight", type=int, default=8, help="requests in flight per worker")
+    p.add_argument("--decisions", type=int, default=5000, help="timed decisions per policy")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path)
+    p.set_defaults(func=_run_decide)
+
+
+def _run_decide(args: argparse.Namespace) -> int:
+    from eldr.bench.decide_bench import DecideBenchConfig, format_table, run
+
+    if args.traces:
+        from eldr.data.traces import load_trace_dir
+
+        traces = load_trace_dir(args.traces, num_experts=args.num_experts)
+    else:
+        from eldr.bench.pipeline_bench import synthetic_traffic
+
+        traces = synthetic_traffic(args.seed)
+    config = DecideBenchConfig(
+        policies=tuple(x.strip() for x in args.policies.split(",") if x.strip()),
+        workers=args.workers,
+        in_flight=args.in_flight,
+        decisions=args.decisions,
+        seed=args.seed,
+    )
+    result = run(traces, config)
+    print(format_table(result))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
 # --- eldr bench-pipeline ---------------------------------------------------------------------
 
 
@@ -382,6 +440,35 @@ def _register_pipeline(subparsers: Any) -> None:
         help=f"routing policy (default: the router's default, {DEFAULT_PROFILE.name})",
     )
     p.add_argument(
+        "--compare",
+        choices=[*ROUTER_POLICIES, "none"],
+        default="jsq",
+        help="run the same rates with this policy too, through the same pipeline, and report "
+        "the ratio (default jsq; 'none' to skip)",
+    )
+    p.add_argument(
+        "--saturation-rates",
+        type=_floats,
+        default=(),
+        help="comma-separated rates stepped through with --policy until P99 passes "
+        "--saturation-p99-ms or a request is lost (e.g. 1000,1500,2000,3000)",
+    )
+    p.add_argument("--saturation-p99-ms", type=float, default=50.0)
+    p.add_argument(
+        "--replicas",
+        type=_int_list,
+        default=(),
+        help="comma-separated router replica counts to measure throughput with, a stack each "
+        "(e.g. 1,2,4)",
+    )
+    p.add_argument(
+        "--throughput-rate",
+        type=float,
+        default=2000.0,
+        help="offered rate of the --replicas runs (events/s; default 2000, about what one "
+        "replaying process offers on two cores)",
+    )
+    p.add_argument(
         "--rss-every", type=float, default=1.0, help="RSS sampling period, seconds (0 = off)"
     )
     p.add_argument("--json", type=Path)
@@ -389,7 +476,7 @@ def _register_pipeline(subparsers: Any) -> None:
 
 
 def _run_pipeline(args: argparse.Namespace) -> int:
-    from eldr.bench.pipeline_bench import PipelineConfig, format_table, run
+    from eldr.bench.pipeline_bench import PipelineConfig, format_table, run, total_seconds
     from eldr.progress import terminal_progress
 
     if args.json:  # fail now, not after the run
@@ -403,8 +490,13 @@ def _run_pipeline(args: argparse.Namespace) -> int:
         seed=args.seed,
         rss_every_s=args.rss_every,
         policy=args.policy,
+        compare_policy=None if args.compare in ("", "none") else args.compare,
+        saturation_rates=args.saturation_rates,
+        saturation_p99_ms=args.saturation_p99_ms,
+        replica_counts=args.replicas,
+        throughput_rate=args.throughput_rate,
     )
-    total_s = len(config.rates) * config.duration_s
+    total_s = total_seconds(config)
     with terminal_progress(total_s, "eldr bench-pipeline", unit="s") as progress:
         progress.describe("starting the stack")
         result = run(config, progress)
