@@ -413,6 +413,8 @@ async def measure_rate(
         "cpu": used,
         "router_cpu_us_per_decision": round(router_cpu / decisions * 1e6, 1) if decisions else None,
         "load_average": load_average(),
+        "errors": summary.errors,
+        "error_samples": summary.error_samples[:3],
     }
     log.info("rate %.0f: %s", rate, row)
     return row
