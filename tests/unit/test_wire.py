@@ -110,9 +110,9 @@ def canonical_messages() -> dict[type[Message], Message]:
             max_tokens=512,
             attrs={"label": "math"},
             cached_prefix_blocks=1,
-            computed=_counts(scale=3),
             capture="inexact",
             deadline_s=1_700_000_000.75,
+            signature=_counts(scale=4),  # v4; `computed` (v3's golden) is never set with it
         ),
         AssembleRequest: AssembleRequest(
             request_id="req-1",
@@ -396,10 +396,52 @@ def test_an_unavailable_capture_carries_no_hashes_or_counts() -> None:
     raw = _raw(canonical_messages()[PrefillDone]) | {"capture": "unavailable"}
     with pytest.raises(WireError, match="carries no block hashes or counts"):
         decode(_reencode(raw), PrefillDone)
-    raw |= {"block_hashes": [], "partial": None, "computed": None, "cached_prefix_blocks": 0}
+    raw |= {"block_hashes": [], "partial": None, "signature": None, "cached_prefix_blocks": 0}
     event = decode(_reencode(raw), PrefillDone)
     assert event.capture == "unavailable"
     assert event.n_prompt_tokens == 40  # no block-count check without hashes
+
+
+def test_a_prefill_done_carries_the_whole_signature_or_the_computed_counts_not_both() -> None:
+    event = canonical_messages()[PrefillDone]
+    assert (event.v, event.computed, event.signature_source) == (4, None, "event")
+    assert decode(encode(event), PrefillDone) == event  # v4 round trip
+    raw = _raw(event)
+    with pytest.raises(WireError, match="not both"):
+        decode(_reencode(raw | {"computed": raw["signature"]}), PrefillDone)
+    with pytest.raises(WireError, match="not both"):
+        msgspec.structs.replace(event, computed=_counts(scale=3))
+    with pytest.raises(WireError, match=r"signature has shape \[3, 3\], expected \[2, 3\]"):
+        msgspec.structs.replace(event, signature=_counts(n_layers=3))
+    with pytest.raises(WireError, match="carries no block hashes or counts"):
+        msgspec.structs.replace(
+            event, capture="unavailable", block_hashes=[], partial=None, cached_prefix_blocks=0
+        )
+
+
+def test_older_prefill_dones_decode_without_a_signature() -> None:
+    v3 = decode((GOLDEN_DIR / "prefill_done.v3.msgpack").read_bytes(), PrefillDone)
+    assert (v3.v, v3.signature, v3.cached_prefix_blocks) == (3, None, 1)
+    assert v3.computed is not None and v3.signature_source == "service"
+    v1 = decode((GOLDEN_DIR / "prefill_done.v1.msgpack").read_bytes(), PrefillDone)
+    assert v1.signature is None
+
+
+@pytest.mark.parametrize(
+    ("changes", "source"),
+    [
+        ({"cached_prefix_blocks": 0, "computed": _counts()}, "computed"),
+        ({"cached_prefix_blocks": 1, "computed": _counts()}, "service"),
+        ({"cached_prefix_blocks": 0}, "service"),
+        ({"block_hashes": [], "n_prompt_tokens": 8}, "partial_only"),
+        ({"block_hashes": [], "n_prompt_tokens": 8, "partial": None}, "none"),
+    ],
+)
+def test_a_prefill_done_says_where_its_signature_is(changes: dict, source: str) -> None:
+    base = msgspec.structs.replace(
+        canonical_messages()[PrefillDone], signature=None, cached_prefix_blocks=0
+    )
+    assert msgspec.structs.replace(base, **changes).signature_source == source
 
 
 def test_finish_events_name_both_workers_only_for_a_move() -> None:
@@ -593,6 +635,8 @@ def prefill_dones(draw: st.DrawFn) -> PrefillDone:
     block_size = draw(st.integers(1, 32))
     n_tokens = draw(st.integers(0, 200))
     has_partial = n_tokens % block_size != 0 and draw(st.booleans())
+    carried = draw(st.sampled_from(["none", "computed", "signature"]))
+    counts = None if carried == "none" else draw(sparse_of(n_layers, n_experts))
     return PrefillDone(
         request_id=draw(ident),
         model=draw(ident),
@@ -612,6 +656,9 @@ def prefill_dones(draw: st.DrawFn) -> PrefillDone:
         attrs=draw(
             st.dictionaries(st.text(min_size=1, max_size=8), st.text(max_size=8), max_size=3)
         ),
+        cached_prefix_blocks=draw(st.integers(0, n_tokens // block_size)),
+        computed=counts if carried == "computed" else None,
+        signature=counts if carried == "signature" else None,
     )
 
 

@@ -55,6 +55,8 @@ CaptureOutcome = Literal["captured", "inexact", "unavailable"]
 """How a PrefillDone's signature was captured: "captured" (exact), "inexact" (a cache hit
 inside the trailing partial block: the computed counts miss those tokens), "unavailable"
 (nothing was captured: no block hashes, no counts; routers route load-only at once)."""
+SignatureSource = Literal["event", "computed", "service", "partial_only", "none"]
+"""Where a router finds a request's counts (`PrefillDone.signature_source`)."""
 FinishReason = Literal["stop", "length", "abort", "error", "moved"]
 """Why a request left a decode worker (`RequestFinished`): the decode finished ("stop",
 "length"), the client went away ("abort"), the decode failed ("error"), or the request was
@@ -131,7 +133,15 @@ class PrefillDone(Message, frozen=True, kw_only=True, tag="prefill_done"):
     """A request finished prefill and waits for a decode worker.
 
     Published on `{ns}.prefill.done.{prefill_worker}` (stream PREFILL); consumed by one
-    router replica through the durable consumer `router`. v2 added `capture`.
+    router replica through the durable consumer `router`. v2 added `capture`, v3
+    `deadline_s`, v4 `signature`.
+
+    Where a router finds the request's counts (`signature_source`): in the event itself
+    (`signature`: the prefill worker held a summary of every block it took from its prefix
+    cache, so the whole prompt's counts travel with the event; or `computed` with no
+    prefix hit), else from the signature service for the cached blocks it names (blocks
+    this instance did not compute: KV loaded from another worker or an external cache, or
+    a summary its bounded local store had evicted) plus `computed`.
     """
 
     request_id: Ident
@@ -164,8 +174,9 @@ class PrefillDone(Message, frozen=True, kw_only=True, tag="prefill_done"):
     computed: SparseCounts | None = None
     """Expert counts of everything this prefill computed: the full blocks after the cached
     prefix plus the trailing partial block. When set, a router adds the signature service's
-    sum over the cached prefix only (none at all when nothing was cached); when None, it
-    asks for every block and adds `partial`."""
+    sum over the cached prefix only (none at all when nothing was cached); when None (and
+    `signature` is None too), it asks for every block and adds `partial`. Never set
+    together with `signature`."""
     capture: CaptureOutcome = "captured"
     """Whether the producer captured the prompt's routing (`CaptureOutcome`). With
     "unavailable" (a prefill instance whose capture is off or failed, reported by the
@@ -175,7 +186,30 @@ class PrefillDone(Message, frozen=True, kw_only=True, tag="prefill_done"):
     back to its own choice): the producer's clock at publish plus the requester's decision
     budget. A router that takes the event later records an "expired" decision instead of
     assigning a worker. None: no deadline. v3."""
-    v: Version = 3
+    signature: SparseCounts | None = None
+    """The whole prompt's expert counts, [L, E]: the cached prefix blocks, everything this
+    prefill computed and the trailing partial block (`partial` is kept, informational).
+    Set by a prefill worker that holds its own summary of every block it took from its
+    prefix cache (`eldr.vllm.capture`), so a router needs no signature-service lookup;
+    `computed` is then None (it is a part of this). None: as before v4 (`computed`, the
+    service for the cached blocks). v4."""
+    v: Version = 4
+
+    @property
+    def signature_source(self) -> SignatureSource:
+        """Where a router finds this request's counts: "event" (`signature`), "computed"
+        (no prefix-cache hit: `computed` is all of it), "service" (the signature service
+        sums some of the blocks), "partial_only" (a prompt shorter than one block: its
+        `partial`), "none" (nothing captured)."""
+        if self.capture == "unavailable":
+            return "none"
+        if self.signature is not None:
+            return "event"
+        if self.computed is not None:
+            return "service" if self.cached_prefix_blocks else "computed"
+        if self.block_hashes:
+            return "service"
+        return "partial_only" if self.partial is not None else "none"
 
     def __post_init__(self) -> None:
         require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
@@ -184,9 +218,17 @@ class PrefillDone(Message, frozen=True, kw_only=True, tag="prefill_done"):
             f"cached_prefix_blocks {self.cached_prefix_blocks} > {len(self.block_hashes)} blocks",
         )
         _require_shape(self.computed, self.num_moe_layers, self.num_experts, "computed")
+        _require_shape(self.signature, self.num_moe_layers, self.num_experts, "signature")
+        require(
+            self.signature is None or self.computed is None,
+            "a PrefillDone carries `signature` (the whole prompt) or `computed`, not both",
+        )
         if self.capture == "unavailable":
             require(
-                not self.block_hashes and self.computed is None and self.partial is None,
+                not self.block_hashes
+                and self.computed is None
+                and self.partial is None
+                and self.signature is None,
                 "a PrefillDone with capture 'unavailable' carries no block hashes or counts",
             )
             return
