@@ -8,7 +8,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eldr.core.signature.blocks import sum_summaries, summarize_blocks
-from eldr.vllm.capture import CaptureConfig, CaptureState, Geometry, StepResult
+from eldr.vllm.capture import (
+    CaptureConfig,
+    CaptureState,
+    Geometry,
+    LocalSummaries,
+    LocalSummary,
+    StepResult,
+)
 from eldr.vllm.plugin import client_request_id
 from eldr.wire import PrefillDone
 from eldr.wire.base import MAX_BLOCKS_PER_BATCH
@@ -17,8 +24,13 @@ L, E, K = 3, 8, 2
 GEOMETRY = Geometry(L, E, K)
 
 
-def state(block_size: int = 4) -> CaptureState:
-    return CaptureState(CaptureConfig("prefill-0", "m", block_size, GEOMETRY))
+def state(block_size: int = 4, local_summary_bytes: int | None = None) -> CaptureState:
+    config = CaptureConfig("prefill-0", "m", block_size, GEOMETRY)
+    if local_summary_bytes is not None:
+        config = CaptureConfig(
+            "prefill-0", "m", block_size, GEOMETRY, local_summary_bytes=local_summary_bytes
+        )
+    return CaptureState(config)
 
 
 def prompt(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -35,7 +47,11 @@ def run_one_step(s: CaptureState, rid: str, ids: np.ndarray, start: int) -> Step
 
 
 def signature(done: PrefillDone, reference_blocks: list[np.ndarray]) -> np.ndarray:
-    """What the router assembles: the cached blocks' counts plus `computed`."""
+    """What the router assembles: the event's whole `signature`, or the cached blocks'
+    counts plus `computed`."""
+    if done.signature is not None:
+        assert done.computed is None
+        return done.signature.to_dense(np.int32)
     assert done.computed is not None
     cached = reference_blocks[: done.cached_prefix_blocks]
     return sum_summaries(cached, (L, E)) + done.computed.to_dense(np.int32)
@@ -221,3 +237,130 @@ def test_block_hashes_are_keyed_with_the_deployment_key_and_the_deadline_travels
     assert done.block_hashes == hash_chain(tokens, 4, key=key)
     assert done.block_hashes != hash_chain(tokens, 4)
     assert done.deadline_s == pytest.approx(100.0 + 0.25)  # the step's wall clock + budget
+
+
+# --- the local summary store (issue 14 item 1: local first, the service for misses) ------
+
+
+def whole_counts(tokens: np.ndarray, ids: np.ndarray, bs: int = 4) -> np.ndarray:
+    full, partial = summarize_blocks(tokens, ids, bs, E)
+    return sum_summaries([*full, *([partial] if partial else [])], (L, E))
+
+
+def shared_prefix(n: int, prefix: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """A prompt of `n` tokens whose first `prefix` tokens (and their routing) are those of
+    `prompt(n, 0)`."""
+    tokens, ids = prompt(n, seed)
+    base_tokens, base_ids = prompt(n, 0)
+    tokens[:prefix], ids[:prefix] = base_tokens[:prefix], base_ids[:prefix]
+    return tokens, ids
+
+
+def test_a_prefix_hit_on_blocks_computed_here_carries_the_whole_signature() -> None:
+    s = state()
+    tokens, ids = prompt(14)
+    s.add_request("e1", tokens, 0, 0.0, request_id="r1")
+    (first,) = run_one_step(s, "e1", ids, 0).done
+    assert (first.signature, first.cached_prefix_blocks) == (None, 0)  # nothing cached
+    assert len(s.local or ()) == 3
+    hit_tokens, hit_ids = shared_prefix(15, 12, seed=5)
+    s.add_request("e2", hit_tokens, 12, 0.0, request_id="r2")  # 3 cached blocks
+    (done,) = run_one_step(s, "e2", hit_ids, 12).done
+    assert done.cached_prefix_blocks == 3
+    assert done.computed is None
+    assert done.signature is not None
+    assert done.signature_source == "event"
+    np.testing.assert_array_equal(
+        done.signature.to_dense(np.int32), whole_counts(hit_tokens, hit_ids)
+    )
+    assert (s.local_hits, s.local_misses) == (1, 0)
+
+
+def test_a_hit_on_a_block_the_store_evicted_falls_back_to_the_service() -> None:
+    entry = LocalSummary.of(np.ones((L, E), np.uint16)).nbytes  # dense: every block's size
+    s = state(local_summary_bytes=2 * entry)  # two blocks
+    tokens, ids = prompt(12)
+    s.add_request("e1", tokens, 0, 0.0)
+    run_one_step(s, "e1", ids, 0)
+    assert s.local is not None
+    assert len(s.local) == 2
+    assert s.local.evictions == 1
+    assert s.local.bytes_used <= 2 * entry
+    hit_tokens, hit_ids = shared_prefix(14, 8, seed=3)
+    s.add_request("e2", hit_tokens, 8, 0.0)  # blocks 0 (evicted) and 1 (held)
+    (done,) = run_one_step(s, "e2", hit_ids, 8).done
+    assert done.signature is None
+    assert done.computed is not None
+    assert done.signature_source == "service"
+    full = [b.counts for b in summarize_blocks(hit_tokens, hit_ids, 4, E)[0]]
+    np.testing.assert_array_equal(signature(done, full), whole_counts(hit_tokens, hit_ids))
+    assert (s.local_hits, s.local_misses) == (0, 1)
+
+
+def test_blocks_loaded_from_elsewhere_fall_back_even_when_some_are_held() -> None:
+    s = state()
+    tokens, ids = prompt(8)
+    s.add_request("e1", tokens, 0, 0.0)
+    run_one_step(s, "e1", ids, 0)  # blocks 0 and 1 computed here
+    hit_tokens, hit_ids = shared_prefix(14, 8, seed=4)
+    # Blocks 0-2 cached: 0 and 1 computed here, 2 loaded by a connector from elsewhere.
+    s.add_request("e2", hit_tokens, 12, 0.0)
+    (done,) = run_one_step(s, "e2", hit_ids, 12).done
+    assert done.cached_prefix_blocks == 3
+    assert done.signature is None
+    full = [b.counts for b in summarize_blocks(hit_tokens, hit_ids, 4, E)[0]]
+    np.testing.assert_array_equal(signature(done, full), whole_counts(hit_tokens, hit_ids))
+    assert (s.local_hits, s.local_misses) == (0, 1)
+
+
+def test_no_budget_no_store_every_hit_asks_the_service() -> None:
+    s = state(local_summary_bytes=0)
+    assert s.local is None
+    tokens, ids = prompt(8)
+    s.add_request("e1", tokens, 0, 0.0)
+    run_one_step(s, "e1", ids, 0)
+    s.add_request("e2", tokens, 4, 0.0)
+    (done,) = run_one_step(s, "e2", ids, 4).done
+    assert done.signature is None
+    assert done.computed is not None
+    assert (s.local_hits, s.local_misses) == (0, 1)
+
+
+@pytest.mark.parametrize("form", ["sparse", "dense8", "dense16"])
+def test_a_local_summary_sums_exactly_in_every_form(form: str) -> None:
+    rng = np.random.default_rng(1)
+    counts = np.zeros((6, 40), np.uint16)
+    if form == "sparse":
+        counts[rng.integers(0, 6, 5), rng.integers(0, 40, 5)] = 7
+    else:
+        counts[:] = rng.integers(1, 250, counts.shape)
+        if form == "dense16":
+            counts[2, 3] = 4000
+    summary = LocalSummary.of(counts)
+    assert (summary.dense is None) == (form == "sparse")
+    if summary.dense is not None:
+        assert summary.dense.dtype == (np.uint16 if form == "dense16" else np.uint8)
+    total = np.full(counts.size, 3, np.uint32)
+    summary.add_to(total)
+    np.testing.assert_array_equal(total, counts.reshape(-1).astype(np.uint32) + 3)
+
+
+def test_the_store_is_a_byte_bounded_lru_whose_lookup_is_all_or_nothing() -> None:
+    one = np.ones((L, E), np.uint16)
+    size = LocalSummary.of(one).nbytes
+    store = LocalSummaries(3 * size)
+    for h in (1, 2, 3):
+        store.put(h, one * h)
+    assert store.lookup([1]) is not None  # 1 is now the most recent
+    store.put(4, one)  # evicts 2, the least recently used
+    assert 2 not in store
+    assert all(h in store for h in (1, 3, 4))
+    assert store.lookup([1, 2]) is None
+    assert store.lookup([]) == []
+    store.put(5, one)  # the failed lookup refreshed nothing: 3 goes
+    assert 3 not in store
+    assert store.bytes_used == 3 * size
+    got = store.lookup([4, 1])
+    assert got is not None
+    assert len(got) == 2
+    assert store.evictions == 2

@@ -10,16 +10,21 @@ its prompt tokens and turns them into:
   by the project's own chained block hash (`eldr.core.signature.blocks.hash_chain`, from token ids:
   the same key the signature service and every other prefill worker use);
 - one `PrefillDone` when the last prompt token was computed: the block-hash chain, the
-  number of leading blocks that were prefix-cache hits (`cached_prefix_blocks`: not
-  computed here, so the signature service supplies them), the counts of everything that
-  was computed (`computed`, the trailing partial block included), timing.
+  number of leading blocks that were prefix-cache hits (`cached_prefix_blocks`), timing,
+  and the counts: when this instance holds its own summary of every cached block
+  (`LocalSummaries`, kept for the blocks it computed, like the KV cache that holds them),
+  the whole prompt's (`signature`: the router needs no lookup); otherwise the counts of
+  everything that was computed (`computed`, the trailing partial block included), and
+  the signature service supplies the cached blocks (KV loaded from another worker or an
+  external cache, or a summary the bounded local store evicted).
 
 Prefix-cache hits end on a block boundary of the engine's KV blocks. When that boundary is
 not one of ours (an engine block size that is not a multiple of ours, or a connector that
 loaded a ragged prefix), the block the boundary falls in is treated as cached too, and the
 rows computed for its tail are left out of `computed`: the cached summary of that block
 already counts them. So the router's sum `signature(cached blocks) + computed` counts every
-prompt token exactly once, whatever was cached.
+prompt token exactly once, whatever was cached (and so does the local sum that becomes
+`signature`).
 
 The engine's thread only counts (one `bincount` per request and step); building the wire
 messages (sparse encoding, structs) is deferred to whoever reads `StepResult.batches` /
@@ -31,11 +36,13 @@ Pure: numpy, `eldr.core` and `eldr.wire` only; times come in as arguments.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from eldr.core.signature.blockcache import ENTRY_OVERHEAD_BYTES
 from eldr.core.signature.blocks import COUNT_DTYPE, hash_chain
 from eldr.core.workload.trace import expert_counts
 from eldr.wire import BlockSummaryBatch, BlockSummaryMsg, PrefillDone, SparseCounts
@@ -61,6 +68,18 @@ class Geometry:
             raise ValueError(f"{self.num_experts} experts do not fit int16 expert ids")
 
 
+DEFAULT_LOCAL_SUMMARY_BYTES = 64 << 20
+"""64 MiB: well under 1% of KV memory. A block's summary is one byte per (MoE layer,
+expert) cell, or 6 bytes per non-zero cell when that is smaller, plus
+`ENTRY_OVERHEAD_BYTES`. Qwen3-30B-A3B (48 MoE layers x 128 experts, top-8; 4 KV heads of
+128, bf16: 96 KiB of KV per token): 6,144 + 160 bytes per 16-token block of 1.5 MiB KV,
+0.4%; 64 MiB holds 10,600 blocks (170k tokens, 15.6 GiB of KV). Llama 4 Maverick (24 MoE
+layers x 128 experts, top-1; 48 layers of 8 KV heads: 192 KiB per token): at most 384
+non-zero cells, 2.5 KB per 3 MiB block, 0.08%; 64 MiB holds 27,000 blocks (80 GiB of KV).
+A KV cache larger than that: raise the budget (0.4% of the KV cache covers it all); a
+prefix hit on a block the store evicted falls back to the signature service."""
+
+
 @dataclass(frozen=True)
 class CaptureConfig:
     worker_id: str
@@ -71,10 +90,102 @@ class CaptureConfig:
     geometry: Geometry
     hash_key: bytes = b""
     """The deployment's block-hash key (`eldr.settings.BlockHashSettings`; empty: unkeyed)."""
+    local_summary_bytes: int = DEFAULT_LOCAL_SUMMARY_BYTES
+    """Byte budget of the store of this instance's own block summaries (`LocalSummaries`);
+    0: none, every prefix hit's cached blocks come from the signature service."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.local_summary_bytes < 0:
+            raise ValueError(f"local_summary_bytes must be >= 0, got {self.local_summary_bytes}")
+
+
+@dataclass(frozen=True, slots=True)
+class LocalSummary:
+    """One block's counts over the flat [L * E] cells: `dense` (uint8, or uint16 when a
+    count exceeds 255), or `idx` (uint32) and `val` (uint16) when that is smaller."""
+
+    nbytes: int
+    dense: np.ndarray | None = None
+    idx: np.ndarray | None = None
+    val: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, counts: np.ndarray) -> LocalSummary:
+        flat = counts.reshape(-1)
+        nnz = int(np.count_nonzero(flat))
+        wide = nnz > 0 and int(flat.max()) > 255
+        dense_nbytes = flat.size * (2 if wide else 1)
+        if 6 * nnz < dense_nbytes:
+            idx = np.flatnonzero(flat).astype(np.uint32)
+            val = flat[idx].astype(np.uint16)
+            return cls(6 * nnz + ENTRY_OVERHEAD_BYTES, idx=idx, val=val)
+        dense = flat.astype(np.uint16 if wide else np.uint8)
+        return cls(dense_nbytes + ENTRY_OVERHEAD_BYTES, dense=dense)
+
+    def add_to(self, total: np.ndarray) -> None:
+        """Add the counts into `total` (uint32, flat [L * E])."""
+        if self.dense is not None:
+            total += self.dense
+        elif self.idx is not None and self.idx.size:
+            total[self.idx] += self.val  # unique indices: fancy-index += is exact
+
+
+class LocalSummaries:
+    """The summaries of the full blocks this instance computed, by block hash: a
+    byte-bounded LRU, the prefill side's copy of the signature cache for the blocks its
+    own KV cache holds (`DEFAULT_LOCAL_SUMMARY_BYTES` says what it costs).
+
+    A block's summary depends only on its tokens (through the chained hash: on its whole
+    prefix), so the one kept here is the one this instance published. Entries are never
+    changed once stored: a `lookup`'s result may be summed on another thread while the
+    engine's thread goes on storing and evicting. Not thread-safe otherwise.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes <= 0:
+            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[int, LocalSummary] = OrderedDict()
+        self.bytes_used = 0
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._entries
+
+    def put(self, block_hash: int, counts: np.ndarray) -> None:
+        """Keep `counts` ([L, E]) of a block computed here; a block held already is only
+        refreshed (its summary is the same)."""
+        if block_hash in self._entries:
+            self._entries.move_to_end(block_hash)
+            return
+        entry = LocalSummary.of(counts)
+        if entry.nbytes > self.max_bytes:
+            return
+        while self.bytes_used + entry.nbytes > self.max_bytes:
+            _, evicted = self._entries.popitem(last=False)
+            self.bytes_used -= evicted.nbytes
+            self.evictions += 1
+        self._entries[block_hash] = entry
+        self.bytes_used += entry.nbytes
+
+    def lookup(self, block_hashes: Sequence[int]) -> list[LocalSummary] | None:
+        """The summaries of all of `block_hashes` (each refreshed as most recently used),
+        or None, touching nothing, when any one is not held."""
+        entries = self._entries
+        found: list[LocalSummary] = []
+        for h in block_hashes:
+            entry = entries.get(h)
+            if entry is None:
+                return None
+            found.append(entry)
+        for h in block_hashes:
+            entries.move_to_end(h)
+        return found
 
 
 @dataclass
@@ -212,12 +323,25 @@ class PendingDone:
     fields: dict[str, object]
     computed: np.ndarray
     partial: np.ndarray | None
+    cached: list[LocalSummary] | None = None
+    """This instance's own summaries of every cached block, when it held them all: the
+    event carries `signature` (their sum plus `computed`) instead of `computed`."""
 
     def message(self) -> PrefillDone:
+        partial = None if self.partial is None else SparseCounts.from_dense(self.partial)
+        if self.cached is None:
+            return PrefillDone(
+                **self.fields,  # type: ignore[arg-type]
+                computed=SparseCounts.from_dense(self.computed),
+                partial=partial,
+            )
+        total = self.computed.astype(np.uint32).reshape(-1)  # a copy
+        for summary in self.cached:
+            summary.add_to(total)
         return PrefillDone(
             **self.fields,  # type: ignore[arg-type]
-            computed=SparseCounts.from_dense(self.computed),
-            partial=None if self.partial is None else SparseCounts.from_dense(self.partial),
+            signature=SparseCounts.from_dense(total.reshape(self.computed.shape)),
+            partial=partial,
         )
 
 
@@ -373,6 +497,15 @@ class CaptureState:
         self.batch_seq = 0
         self.inexact = 0
         """Requests whose computed counts could not be made exact (see `add_request`)."""
+        budget = config.local_summary_bytes
+        self.local: LocalSummaries | None = LocalSummaries(budget) if budget else None
+        """This instance's own block summaries (None: the budget is 0)."""
+        self.local_hits = 0
+        """Prefills with a prefix-cache hit whose every cached block this instance held a
+        summary of: their event carried the whole `signature`."""
+        self.local_misses = 0
+        """Prefills with a prefix-cache hit on a block it held no summary of (computed
+        elsewhere, or evicted): the signature service supplies the cached blocks."""
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -499,6 +632,8 @@ class CaptureState:
                 if block.block_hash not in seen:  # two requests computed the same block
                     seen.add(block.block_hash)
                     blocks.append(block)
+                    if self.local is not None:
+                        self.local.put(block.block_hash, block.counts)
             if capture.complete:
                 done.append(self._prefill_done(capture, now_s, wall_s))
                 completed.append(capture)
@@ -528,4 +663,12 @@ class CaptureState:
             "cached_prefix_blocks": capture.cached_blocks,
             "deadline_s": deadline_of(wall_s, capture.decision_budget_s),
         }
-        return PendingDone(fields, capture.computed_total + tail, partial)
+        cached: list[LocalSummary] | None = None
+        if capture.cached_blocks:
+            if self.local is not None:
+                cached = self.local.lookup(capture.block_hashes[: capture.cached_blocks])
+            if cached is None:
+                self.local_misses += 1
+            else:
+                self.local_hits += 1
+        return PendingDone(fields, capture.computed_total + tail, partial, cached)

@@ -269,6 +269,7 @@ class CaptureHook:
                     self.block_size,
                     geometry,
                     hash_key=settings.block_hash_key_bytes(),
+                    local_summary_bytes=settings.vllm_local_summary_bytes,
                 )
             )
         if states.decode == "ok":

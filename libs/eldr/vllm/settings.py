@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import Field
 
 from eldr.settings import BlockHashSettings, BusSettings
+from eldr.vllm.capture import DEFAULT_LOCAL_SUMMARY_BYTES
 
 
 def _default_worker_id() -> str:
@@ -77,6 +78,16 @@ class CaptureSettings(BusSettings, BlockHashSettings):
         ge=1,
         description="Engine steps queued for publishing at most; beyond, steps are dropped "
         "(counted and logged), never waited for.",
+    )
+    vllm_local_summary_bytes: int = Field(
+        default=DEFAULT_LOCAL_SUMMARY_BYTES,
+        ge=0,
+        description="Byte budget of this prefill instance's own summaries of the blocks it "
+        "computed (least recently used evicted): a prefix hit on blocks it holds sends the "
+        "request's whole signature in its PrefillDone, and the router asks the signature "
+        "service nothing; other hits (KV loaded from elsewhere, an evicted summary) are "
+        "completed by the service. Default 64 MiB, a few tenths of a percent of the KV "
+        "memory it covers (eldr.vllm.capture.DEFAULT_LOCAL_SUMMARY_BYTES); 0: off.",
     )
     vllm_dump_dir: Path | None = Field(
         default=None,
