@@ -26,7 +26,7 @@ import aiohttp
 from eldr.bus import BusError, Delivery
 from eldr.runtime import ServiceContext, service_main
 from eldr.vllm.load import AdmissionTracker, MetricsError, VllmLoad, parse_metrics
-from eldr.wire import Decision, LoadReport
+from eldr.wire import DecisionRoute, LoadReport
 
 from .metrics import AdapterMetrics
 from .settings import DecodeAdapterSettings
@@ -51,7 +51,8 @@ class DecodeAdapter:
         self.incarnation: str | None = None
         self.failures = 0
 
-    async def on_decision(self, decision: Decision, _: Delivery) -> None:
+    async def on_decision(self, decision: DecisionRoute, _: Delivery) -> None:
+        # Every decision, read through the view that decodes only the worker and outcome.
         if decision.worker_id == self.settings.adapter_worker_id:
             self.tracker.assigned(decision.request_id, time.monotonic())
 
@@ -137,7 +138,7 @@ async def setup(ctx: ServiceContext[DecodeAdapterSettings]) -> None:
     session = aiohttp.ClientSession()
     ctx.stack.push_async_callback(session.close)
     adapter = DecodeAdapter(ctx, session)
-    await ctx.bus.subscribe(ctx.bus.subjects.decisions_all, Decision, adapter.on_decision)
+    await ctx.bus.subscribe(ctx.bus.subjects.decisions_all, DecisionRoute, adapter.on_decision)
     reports = ctx.every(
         "decode-adapter", ctx.settings.adapter_interval_s, adapter.tick, until="close"
     )

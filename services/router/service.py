@@ -41,6 +41,7 @@ from eldr.wire import (
     AssembleReply,
     AssembleRequest,
     Decision,
+    DecisionAssignment,
     DecodeProfile,
     LoadReport,
     PartitionAnnouncement,
@@ -147,12 +148,18 @@ class RouterService:
             self._bound_activity(msg.worker_id)
         self._report_arrived.set()
 
-    async def on_decision(self, msg: Decision, _: Delivery) -> None:
-        # Every replica's decisions (ours included: setdefault makes that a no-op).
+    async def on_decision(self, msg: DecisionAssignment, _: Delivery) -> None:
+        # Every replica's decisions (ours included: setdefault makes that a no-op), read
+        # through the view that decodes only what the tables need.
+        self._count_record(msg)
+
+    def _count_record(self, msg: DecisionAssignment | Decision) -> None:
+        """Count another replica's committed decision against its worker (an expired
+        record counts nowhere)."""
         if not msg.assigned:
             return  # an expired record: nobody got the request, nothing to count
         now = time.monotonic()
-        self.table.on_assignment(msg.worker_id, msg.request_id, 0, now)
+        self.table.on_assignment(msg.worker_id, msg.request_id, msg.prompt_tokens or 0, now)
         if (
             msg.signature is not None
             and self.core.policy.uses_activity
@@ -431,6 +438,9 @@ class RouterService:
         if delivery.num_delivered > 1:
             existing = await self.bus.get_last(self.decisions_stream, subject, Decision)
             if existing is not None:
+                # Committed before (an ack that never came back, another replica): count
+                # it, as any committed decision, and answer with it.
+                self._count_record(existing)
                 await self._answer(msg, existing, already=True)
                 return
         if expired(msg, time.time()):
@@ -485,14 +495,22 @@ class RouterService:
             fleet=list(outcome.fleet),
             prompt_tokens=msg.n_prompt_tokens,
         )
-        if not await self._commit(msg, subject, decision):
+        # Counted now, before the commit's ack: decisions overlapping this one's commit see
+        # it. Taken back if the commit does not stand.
+        self.core.reserve(
+            outcome.worker_id, msg.request_id, counts, msg.n_prompt_tokens, time.monotonic()
+        )
+        try:
+            committed = await self.bus.commit_once(self.decisions_stream, subject, decision)
+        except BaseException:
+            self.core.release(outcome.worker_id, msg.request_id)
+            raise
+        if not committed.first:
+            # Another replica (or an earlier delivery) committed first: its record stands.
+            self.core.release(outcome.worker_id, msg.request_id)
+            self._count_record(committed.record)
+            await self._answer(msg, committed.record, already=True)
             return
-        now = time.monotonic()
-        self.table.on_assignment(decision.worker_id, msg.request_id, msg.n_prompt_tokens, now)
-        if self.core.policy.uses_activity:
-            self.core.note_assignment(
-                decision.worker_id, msg.request_id, counts, msg.n_prompt_tokens, now
-            )
         self.metrics.decisions.labels(outcome.policy, outcome.fallback or "none").inc()
         self.metrics.decision_seconds.observe(time.perf_counter() - taken)
         await self._answer(msg, decision, already=False)
@@ -577,7 +595,7 @@ async def setup(ctx: ServiceContext[RouterSettings]) -> None:
     await bus.subscribe(
         subjects.load_all, LoadReport, svc.on_load_report, identity=IDENTITY[LoadReport]
     )
-    await bus.subscribe(subjects.decisions_all, Decision, svc.on_decision)
+    await bus.subscribe(subjects.decisions_all, DecisionAssignment, svc.on_decision)
     await bus.subscribe(
         subjects.profiles_all, DecodeProfile, svc.on_profile, identity=IDENTITY[DecodeProfile]
     )

@@ -40,7 +40,7 @@ def router_settings(
     bus_settings: BusSettings, retention: RetentionSettings, **kw
 ) -> RouterSettings:
     base = bus_settings.model_dump() | retention.model_dump()
-    base.update(signature_timeout_s=0.05, stale_after_s=2.0, **kw)
+    base.update({"signature_timeout_s": 0.05, "stale_after_s": 2.0} | kw)
     return RouterSettings(**base)
 
 
@@ -372,3 +372,22 @@ async def test_a_reply_to_outside_the_inboxes_is_not_answered(
     assert d.request_id == "attacker"
     forged = await bus.get_last(f"{bus.subjects.namespace.upper()}_{DECISIONS}", victim, Decision)
     assert forged is None
+
+
+async def test_decisions_overlapping_their_commits_see_each_other(
+    bus: Bus, bus_settings: BusSettings, retention: RetentionSettings, topology: Topology
+) -> None:
+    """A router takes a backlog of PrefillDones at once and decides them while the first
+    commits are still unacknowledged: each decision is counted at decision time, so JSQ
+    deals the backlog out evenly instead of sending most of it to whichever worker looked
+    least loaded when the backlog arrived."""
+    await apply_topology(bus, topology)
+    for i in range(48):  # queued before the router starts: its first pull takes them all
+        await bus.js_publish(bus.subjects.prefill_done("p0"), prefill_done(f"burst-{i}"))
+    workers = {"d0": 0, "d1": 0, "d2": 0, "d3": 0}
+    s = router_settings(bus_settings, retention, policy="jsq", stale_after_s=30.0)
+    async with reporting(bus, workers, period_s=5.0), running_router(s):
+        decisions = await collect_decisions(bus, 48)
+    per_worker = [sum(d.worker_id == w for d in decisions) for w in workers]
+    assert sum(per_worker) == 48
+    assert max(per_worker) - min(per_worker) <= 1, per_worker

@@ -14,7 +14,7 @@ from typing import Any, TypeVar, Union, overload
 import msgspec
 
 from eldr.wire.base import Message, WireError
-from eldr.wire.messages import ALL_MESSAGE_TYPES
+from eldr.wire.messages import ALL_MESSAGE_TYPES, VIEWS
 
 M = TypeVar("M", bound=Message)
 
@@ -37,12 +37,31 @@ def _supported_version(message_type: type[Message]) -> int:
 SUPPORTED_VERSIONS: dict[type[Message], int] = {t: _supported_version(t) for t in ALL_MESSAGE_TYPES}
 """Newest schema version of each type that this code can read (the default of its `v`)."""
 
+for _view, _full in VIEWS.items():
+    if _supported_version(_view) != SUPPORTED_VERSIONS[_full]:
+        raise TypeError(
+            f"view {_view.__name__} is at v{_supported_version(_view)}, {_full.__name__} "
+            f"at v{SUPPORTED_VERSIONS[_full]}: keep them equal"
+        )
+    SUPPORTED_VERSIONS[_view] = SUPPORTED_VERSIONS[_full]
+
+_VIEW_DECODERS: dict[type[Message], msgspec.msgpack.Decoder[Any]] = {
+    view: msgspec.msgpack.Decoder(view) for view in VIEWS
+}
+"""A view decodes the few fields it declares and skips the rest of the record unread
+(msgspec ignores fields a struct does not declare)."""
+
 KIND_OF: dict[type[Message], str] = {t: str(t.__struct_config__.tag) for t in ALL_MESSAGE_TYPES}
 """The `kind` tag of each message type."""
 
 
 def encode(message: Message) -> bytes:
     """MessagePack bytes of `message` (its `kind` tag included)."""
+    if type(message) in VIEWS:
+        raise WireError(
+            f"{type(message).__name__} is a view of {VIEWS[type(message)].__name__}: "
+            "it is decoded, never sent"
+        )
     try:
         return _ENCODER.encode(message)
     except (TypeError, ValueError, OverflowError) as exc:
@@ -62,7 +81,8 @@ def decode(
     expected: type[Message] | tuple[type[Message], ...],
     max_bytes: int = DEFAULT_MAX_BYTES,
 ) -> Message:
-    """Decode and validate one message of the `expected` type(s).
+    """Decode and validate one message of the `expected` type(s) (or one view,
+    `eldr.wire.messages.VIEWS`: the fields it declares of its full type).
 
     Raises WireError if `data` is longer than `max_bytes`, is not valid MessagePack, is
     not a known message kind, is a kind other than expected, breaks a field constraint or
@@ -73,8 +93,9 @@ def decode(
     size = len(data)
     if size > max_bytes:
         raise WireError(f"expected {wanted}: message of {size} bytes exceeds {max_bytes}")
+    view = _VIEW_DECODERS.get(expected) if isinstance(expected, type) else None
     try:
-        message = _DECODER.decode(data)
+        message = _DECODER.decode(data) if view is None else view.decode(data)
     except msgspec.ValidationError as exc:
         raise WireError(f"expected {wanted}: invalid message: {_explain(exc)}") from exc
     except msgspec.DecodeError as exc:

@@ -395,6 +395,67 @@ class Decision(Message, frozen=True, kw_only=True, tag="decision"):
         )
 
 
+class DecisionAssignment(Message, frozen=True, kw_only=True, tag="decision"):
+    """What a reader that only counts assignments needs of a `Decision`: a view, decoded
+    from a Decision's bytes (`decode(data, DecisionAssignment)`) with every other field
+    skipped unread. Never encoded or sent: the full record stays on the DECISIONS stream
+    for replay. Router replicas read other replicas' decisions through it (the load and
+    activity tables need the worker, the signature and the prompt length); a full
+    decision with its fleet, loads, scores and band costs several times more to decode.
+
+    Each field has the type of the `Decision` field of the same name (a unit test keeps
+    them equal) and `v` is Decision's version, so a record the full type refuses (a newer
+    schema) this view refuses too."""
+
+    request_id: Ident
+    router_id: Ident
+    model: Ident
+    worker_id: Token
+    signature: SparseCounts | None
+    prompt_tokens: Count | None = None
+    outcome: DecisionOutcome = "assigned"
+    v: Version = 3
+
+    def __post_init__(self) -> None:
+        require(
+            (self.worker_id == NO_WORKER) == (self.outcome == "expired"),
+            f"an expired decision names no worker ({NO_WORKER!r}), an assigned one a worker",
+        )
+
+    @property
+    def assigned(self) -> bool:
+        return self.outcome == "assigned"
+
+
+class DecisionRoute(Message, frozen=True, kw_only=True, tag="decision"):
+    """The smallest view of a `Decision` (see `DecisionAssignment`): which worker a request
+    went to. Decode adapters read every decision through it to learn which requests are
+    coming to their instance."""
+
+    request_id: Ident
+    worker_id: Token
+    outcome: DecisionOutcome = "assigned"
+    v: Version = 3
+
+    def __post_init__(self) -> None:
+        require(
+            (self.worker_id == NO_WORKER) == (self.outcome == "expired"),
+            f"an expired decision names no worker ({NO_WORKER!r}), an assigned one a worker",
+        )
+
+    @property
+    def assigned(self) -> bool:
+        return self.outcome == "assigned"
+
+
+VIEWS: dict[type[Message], type[Message]] = {
+    DecisionAssignment: Decision,
+    DecisionRoute: Decision,
+}
+"""Views (decoded from the bytes of the message type they map to, never sent) and the
+type whose records they read."""
+
+
 DECISION_FIXED_BYTES = 32 << 10
 """Allowance for everything in a `Decision` besides its worker lists and signature: ids
 (request, router, model, worker, policy; at most 1 KiB each in UTF-8), the fallback reason

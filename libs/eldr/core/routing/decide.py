@@ -453,6 +453,32 @@ class RouterCore:
             self.activity.add(worker_id, request_id, demand, now_s)
             self.bound_activity(worker_id)
 
+    def reserve(
+        self,
+        worker_id: str,
+        request_id: str,
+        counts: np.ndarray | None,
+        prompt_tokens: int,
+        now_s: float,
+    ) -> None:
+        """Count this replica's decision against its worker at decision time, before its
+        commit: the next decision, whether or not this one's commit has been acknowledged
+        yet, sees the load and the experts it adds (deciding several requests while their
+        commits are in flight would otherwise put them all on the same least-loaded
+        worker). `release` takes it back if the commit does not stand."""
+        self.table.on_assignment(worker_id, request_id, prompt_tokens, now_s)
+        if self.policy.uses_activity:
+            self.note_assignment(worker_id, request_id, counts, prompt_tokens, now_s)
+
+    def release(self, worker_id: str, request_id: str) -> None:
+        """A reserved decision was not committed (another record for the request won, or
+        the commit failed): it leaves the load and activity tables again (it is not a
+        finish: a later decision of the request counts as usual)."""
+        self.table.cancel_assignment(worker_id, request_id)
+        if self.activity.worker_of(request_id) == worker_id:
+            self.activity.finish(request_id)
+        self._decided_demands.pop(request_id, None)
+
     def note_finished(self, request_id: str, now_s: float) -> bool:
         """A request left its decode worker (finish event or decode profile): it no
         longer loads that worker's steps or queue. True if it was tracked anywhere."""

@@ -189,6 +189,15 @@ class LoadTable:
         state.add_pending(request_id, now_s, kv_tokens)
         self._pending_on[request_id] = worker_id
 
+    def cancel_assignment(self, worker_id: str, request_id: str) -> bool:
+        """Take back a pending assignment of `request_id` to `worker_id` (its decision was
+        not committed); True if it was pending there."""
+        state = self._workers.get(worker_id)
+        if state is None or self._pending_on.get(request_id) != worker_id:
+            return False
+        self._drop_pending(state, request_id)
+        return True
+
     def _drop_pending(self, state: WorkerState, request_id: str) -> None:
         if request_id in state.pending:
             state.drop_pending(request_id)
