@@ -55,6 +55,8 @@ def replay_config(settings: SimPrefillSettings) -> ReplayConfig:
         job_timeout_s=settings.simprefill_job_timeout_s,
         send_jobs=settings.simprefill_send_jobs,
         max_in_flight=settings.simprefill_max_in_flight,
+        local_signatures=settings.simprefill_local_signatures,
+        local_summary_blocks=settings.simprefill_local_summary_blocks,
         block_hash_key=settings.block_hash_key_bytes(),
     )
 

@@ -77,3 +77,16 @@ class SimPrefillSettings(CommonSettings, BlockHashSettings):
     simprefill_max_in_flight: int = Field(
         default=1024, ge=1, description="Requests between PrefillDone and DecodeJob at most."
     )
+    simprefill_local_signatures: bool = Field(
+        default=True,
+        description="Carry the whole signature in a PrefillDone whose cached blocks the "
+        "simulated prefill worker summarised itself (as the capture plugin does); false: "
+        "every prefix hit's blocks come from the signature service.",
+    )
+    simprefill_local_summary_blocks: int | None = Field(
+        default=None,
+        ge=0,
+        description="Blocks the simulated prefill worker keeps its own summary of at most "
+        "(least recently used evicted; a hit on an evicted one goes to the signature "
+        "service); unset: every block it published.",
+    )

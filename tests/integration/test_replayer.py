@@ -224,6 +224,54 @@ async def test_prefill_done_carries_hashes_partial_inbox_and_label(
         assert event.max_tokens == trace.decode_tokens
 
 
+@pytest.mark.parametrize(
+    ("overrides", "local"),
+    [
+        ({}, "all"),
+        ({"local_summary_blocks": 5, "max_in_flight": 1}, "some"),
+        ({"local_signatures": False}, "none"),
+    ],
+)
+async def test_a_prefix_hit_on_blocks_it_holds_carries_the_whole_signature(
+    bus: Bus, traces: TraceSet, overrides: dict[str, object], local: str
+) -> None:
+    """The replayer plays a prefill worker that keeps a summary of every block it computed
+    (or of its last `local_summary_blocks`): a prefix hit on held blocks sends the whole
+    prompt's counts (`signature`); other hits send `computed` for the service to complete."""
+    router = StandInRouter(bus)
+    await router.start()
+    async with TraceReplayer(bus, traces, config(**overrides)) as replayer:
+        summary = await replayer.run(30)
+        records = {r.request_id: r for r in replayer.records}
+    assert summary.decided == 30
+    by_source: dict[str, int] = {}
+    for event in router.events:
+        trace = traces.traces[records[event.request_id].trace_index]
+        whole = expert_counts(trace.prefill, SPEC.num_experts)
+        source = event.signature_source
+        by_source[source] = by_source.get(source, 0) + 1
+        assert records[event.request_id].signature_source == source
+        if event.signature is not None:
+            assert event.cached_prefix_blocks > 0
+            assert event.computed is None
+            np.testing.assert_array_equal(dense(event.signature), whole)
+        elif event.cached_prefix_blocks == 0 and event.block_hashes:
+            assert source == "computed"
+            assert event.computed is not None
+            np.testing.assert_array_equal(dense(event.computed), whole)
+    assert summary.signature_sources == dict(sorted(by_source.items()))
+    assert sum(by_source.values()) == 30
+    if local == "all":
+        assert by_source.get("service", 0) == 0
+        assert by_source["event"] > 0
+    elif local == "some":
+        assert by_source["service"] > 0
+        assert by_source["event"] > 0
+    else:
+        assert "event" not in by_source
+        assert by_source["service"] > 0
+
+
 async def test_decode_jobs_reach_the_chosen_simulated_workers(
     bus: Bus, traces: TraceSet, simdecode: None
 ) -> None:

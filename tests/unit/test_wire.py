@@ -422,7 +422,8 @@ def test_a_prefill_done_carries_the_whole_signature_or_the_computed_counts_not_b
 def test_older_prefill_dones_decode_without_a_signature() -> None:
     v3 = decode((GOLDEN_DIR / "prefill_done.v3.msgpack").read_bytes(), PrefillDone)
     assert (v3.v, v3.signature, v3.cached_prefix_blocks) == (3, None, 1)
-    assert v3.computed is not None and v3.signature_source == "service"
+    assert v3.computed is not None
+    assert v3.signature_source == "service"
     v1 = decode((GOLDEN_DIR / "prefill_done.v1.msgpack").read_bytes(), PrefillDone)
     assert v1.signature is None
 

@@ -9,7 +9,10 @@ For each request it does what a prefill worker and the gateway in front of it wo
    a cached block is not recomputed, so its summary is not published again, and the
    signature service must supply it from its own cache.
 2. Publish `PrefillDone` on `{ns}.prefill.done.{prefill_worker}` with the block hashes, the
-   trailing partial block's counts and a `reply_to` inbox this replayer listens on.
+   trailing partial block's counts and a `reply_to` inbox this replayer listens on; and,
+   as the capture plugin does, the whole prompt's `signature` when it holds its own
+   summary of every cached block (`local_signatures`), else the counts of what it
+   computed (`computed`), leaving the cached blocks to the signature service.
 3. Wait for the router's `Decision` on that inbox (after `decision_timeout_s`, read it from
    the DECISIONS stream instead: the router may have decided while the reply was lost).
 4. Send a `DecodeJob` to the chosen simulated decode worker (`{ns}.sim.decode.{worker}`),
@@ -36,6 +39,7 @@ import logging
 import math
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -60,7 +64,7 @@ from eldr.wire import (
     WireError,
 )
 from eldr.wire.base import MAX_BLOCKS_PER_BATCH
-from eldr.wire.messages import FinishReason
+from eldr.wire.messages import FinishReason, SignatureSource
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +96,17 @@ class ReplayConfig:
     send_computed: bool = True
     """Carry the counts of what this prefill computed in the PrefillDone (`computed`, with
     `cached_prefix_blocks`), so routers ask the signature service only for prefix-cache
-    hits; False: every block's counts come from the signature service."""
+    hits; False: every block's counts come from the signature service (and
+    `local_signatures` is off too)."""
+    local_signatures: bool = True
+    """Keep a summary of every block published (as the capture plugin keeps one of every
+    block its instance computed, `eldr.vllm.capture.LocalSummaries`): a request whose
+    cached blocks are all held carries the whole `signature` and routers ask the signature
+    service nothing. False: prefix-cache hits always go to the service (before v4)."""
+    local_summary_blocks: int | None = None
+    """Blocks the local store holds at most (least recently used evicted: a hit on an
+    evicted block goes to the service); None: every block published, as many as the
+    prefix cache."""
     request_id_prefix: str | None = None
     """Request ids are f"{prefix}-{n:06d}"; None = prefill worker + a random run token (the
     DECISIONS stream keeps the first decision per id, so ids must not repeat across runs)."""
@@ -111,6 +125,10 @@ class ReplayConfig:
             raise ValueError("timeouts must be positive")
         if self.max_in_flight <= 0:
             raise ValueError(f"max_in_flight must be positive, got {self.max_in_flight}")
+        if self.local_summary_blocks is not None and self.local_summary_blocks < 0:
+            raise ValueError(
+                f"local_summary_blocks must be >= 0 or None, got {self.local_summary_blocks}"
+            )
 
 
 @dataclass
@@ -139,6 +157,9 @@ class RequestRecord:
     """The inbox timed out and the decision was read from the DECISIONS stream."""
     job_accepted: bool | None = None
     error: str | None = None
+    signature_source: SignatureSource | None = None
+    """Where its PrefillDone leaves the router to find its counts
+    (`PrefillDone.signature_source`: "event", "computed", "service", ...)."""
 
 
 @dataclass(frozen=True)
@@ -167,6 +188,10 @@ class ReplaySummary:
     error_samples: list[str]
     blocks_published: int
     block_batches: int
+    signature_sources: dict[str, int]
+    """PrefillDone events sent, by where they leave the router to find the counts
+    (`PrefillDone.signature_source`): "event" (the whole signature), "computed" (no
+    prefix hit), "service" (the signature service sums the cached blocks), ..."""
     elapsed_s: float
     offered_rate_per_s: float | None
     achieved_rate_per_s: float
@@ -223,6 +248,9 @@ class TraceReplayer:
         self._prepared: dict[int, _Prepared] = {}
         self._published: dict[int, asyncio.Future[None] | None] = {}
         """Block hash -> None once published, or the future of its publication in flight."""
+        self._local: OrderedDict[int, None] = OrderedDict()
+        """The blocks whose summary the simulated prefill worker holds itself, least
+        recently used first (only with `local_summary_blocks`; else every published one)."""
         self._decided: dict[str, str] = {}
         """request id -> worker of its first Decision on the inbox (duplicate detection);
         this run's ids, and the previous run's in `_decided_before` (memory stays bounded
@@ -510,6 +538,7 @@ class TraceReplayer:
             self._published[block.block_hash] = None
             if future is not None and not future.done():
                 future.set_result(None)
+            self._hold_locally(block.block_hash)
         if theirs:
             await asyncio.gather(*theirs)
         return len(mine)
@@ -531,19 +560,49 @@ class TraceReplayer:
         await self.bus.js_publish(self.bus.subjects.blocks(self.config.prefill_worker), batch)
         self._block_batches += 1
 
+    def _hold_locally(self, block_hash: int) -> None:
+        limit = self.config.local_summary_blocks
+        if limit is None or not self.config.local_signatures:
+            return  # every published block is held: `_published` is the store
+        self._local[block_hash] = None
+        self._local.move_to_end(block_hash)
+        while len(self._local) > limit:
+            self._local.popitem(last=False)
+
+    def _held_locally(self, block_hashes: list[int]) -> bool:
+        """Whether the simulated prefill worker holds its own summary of every one of
+        `block_hashes` (cached blocks, so published: they are held unless evicted);
+        refreshes them when it does."""
+        if not self.config.local_signatures:
+            return False
+        if self.config.local_summary_blocks is None:
+            return True
+        if not all(h in self._local for h in block_hashes):
+            return False
+        for h in block_hashes:
+            self._local.move_to_end(h)
+        return True
+
     async def _prefill_done(
         self, record: RequestRecord, prepared: _Prepared, state: _RunState
     ) -> Decision | None:
         geometry = self.traces.geometry
         cached = len(prepared.blocks) - record.blocks_published
         computed: SparseCounts | None = None
+        signature: SparseCounts | None = None
         if self.config.send_computed:
+            local = cached > 0 and self._held_locally(
+                [b.block_hash for b in prepared.blocks[:cached]]
+            )
             total = np.zeros((geometry.num_moe_layers, geometry.num_experts), dtype=np.uint32)
-            for counts in prepared.block_counts[cached:]:
+            for counts in prepared.block_counts[0 if local else cached :]:
                 total += counts
             if prepared.partial_counts is not None:
                 total += prepared.partial_counts
-            computed = SparseCounts.from_dense(total)
+            if local:
+                signature = SparseCounts.from_dense(total)
+            else:
+                computed = SparseCounts.from_dense(total)
         event = PrefillDone(
             request_id=record.request_id,
             model=self.config.model,
@@ -560,9 +619,11 @@ class TraceReplayer:
             attrs={"label": prepared.label[:1024]},
             cached_prefix_blocks=cached,
             computed=computed,
+            signature=signature,
             # It stops waiting after decision_timeout_s (and one read of the stream).
             deadline_s=time.time() + self.config.decision_timeout_s,
         )
+        record.signature_source = event.signature_source
         waiter: asyncio.Future[tuple[Decision, float]] = asyncio.get_running_loop().create_future()
         state.waiters[record.request_id] = waiter
         try:
@@ -672,6 +733,10 @@ class TraceReplayer:
             if r.fallback:
                 fallbacks[r.fallback] = fallbacks.get(r.fallback, 0) + 1
         errors = [r.error for r in records if r.error is not None]
+        sources: dict[str, int] = {}
+        for r in records:
+            if r.sent and r.signature_source is not None:
+                sources[r.signature_source] = sources.get(r.signature_source, 0) + 1
         samples: list[str] = []
         for e in errors:
             if e not in samples and len(samples) < MAX_ERRORS_KEPT:
@@ -699,6 +764,7 @@ class TraceReplayer:
             error_samples=samples,
             blocks_published=sum(r.blocks_published for r in records),
             block_batches=block_batches,
+            signature_sources=dict(sorted(sources.items())),
             elapsed_s=elapsed_s,
             offered_rate_per_s=self.config.rate_per_s,
             achieved_rate_per_s=len(records) / elapsed_s if elapsed_s > 0 else math.nan,
