@@ -39,6 +39,23 @@ class RouterMetrics:
             ["outcome"],
             registry=r,
         )
+        sources = Counter(
+            "eldr_router_signature_source_total",
+            "Where each decided PrefillDone's signature came from: event (the whole "
+            "signature in the event: the prefill worker held every cached block's summary), "
+            "computed (no prefix-cache hit: the event's computed counts), service (asked the "
+            "signature service for the cached blocks; its outcome in "
+            "eldr_router_signature_fetches_total), partial_only (a prompt shorter than a "
+            "block), none (no signature: capture unavailable, geometry refused, or not "
+            "fetched for a policy that needs none).",
+            ["source"],
+            registry=r,
+        )
+        self.signature_source = {
+            source: sources.labels(source)
+            for source in ("event", "computed", "service", "partial_only", "none")
+        }
+        """Pre-created children: one dict lookup and an increment per decision."""
         self.already_decided = Counter(
             "eldr_router_already_decided_total",
             "Redelivered PrefillDone events answered with the decision committed earlier.",

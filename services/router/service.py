@@ -343,11 +343,15 @@ class RouterService:
     # --- the request path ------------------------------------------------------------------
 
     async def signature_of(self, msg: PrefillDone) -> tuple[np.ndarray | None, int, str | None]:
-        """The request's prefill counts: what the prefill computed (carried in the event)
-        plus, from the signature service, its prefix-cache hits. Returns (counts [L, E] or
-        None, blocks missing, the reason when None)."""
+        """The request's prefill counts: the whole signature the event carries (its prefill
+        worker held a summary of every cached block), or what the prefill computed plus,
+        from the signature service, its prefix-cache hits. Returns (counts [L, E] or None,
+        blocks missing, the reason when None); counts where they came from
+        (`eldr_router_signature_source_total`)."""
+        source = self.metrics.signature_source
         if msg.capture == "unavailable":
             # The prefill could not capture (the gateway said so): route load-only now.
+            source["none"].inc()
             return None, 0, "no_capture"
         problem = self.core.geometry_problem(msg.model, msg.num_moe_layers, msg.num_experts)
         if problem is not None:
@@ -356,14 +360,23 @@ class RouterService:
             # over 1 GiB); the request is decided load-only.
             self.metrics.rejected_inputs.labels("prefill_geometry").inc()
             self._log_geometry(msg, problem)
+            source["none"].inc()
             return None, 0, "geometry_mismatch"
+        if msg.signature is not None:
+            # Local first: the prefill worker summed its own summaries of the cached
+            # blocks (the wire checked the shape against the geometry checked above).
+            source["event"].inc()
+            return msg.signature.to_dense(np.uint32), 0, None
         if msg.computed is not None:
             computed = msg.computed.to_dense(np.uint32)
             cached = msg.block_hashes[: msg.cached_prefix_blocks]
             if not cached:
+                source["computed"].inc()
                 return computed, 0, None  # nothing came from a prefix cache
             if not (self.settings.fetch_signature or self.core.policy.needs_signature):
+                source["none"].inc()
                 return None, len(cached), "no_signature"
+            source["service"].inc()
             counts, missing, reason = await self.fetch_signature(msg, cached, None)
             if counts is None:
                 return None, missing, reason
@@ -371,10 +384,14 @@ class RouterService:
         if not msg.block_hashes:
             # A prompt shorter than one block: its partial block is the whole signature.
             if msg.partial is None:
+                source["none"].inc()
                 return None, 0, "empty_signature"
+            source["partial_only"].inc()
             return msg.partial.to_dense(np.uint32), 0, None
         if not (self.settings.fetch_signature or self.core.policy.needs_signature):
+            source["none"].inc()
             return None, len(msg.block_hashes), "no_signature"
+        source["service"].inc()
         return await self.fetch_signature(msg, msg.block_hashes, msg.partial)
 
     async def fetch_signature(
