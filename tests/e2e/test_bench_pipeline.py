@@ -43,9 +43,14 @@ def test_every_request_is_decided_once_and_the_router_share_is_part_of_the_laten
     assert 0 < row["router_p50_ms"] < row["latency_p50_ms"]
     assert row["latency_p50_ms"] <= row["latency_p99_ms"] <= row["latency_max_ms"]
     assert set(row["rss"]) >= {"nats-server", "router-0", "signature-0", "bench (replayer)"}
+    # The replayer's prefill worker holds every block it computed: no hit needs the service.
+    assert sum(row["signature_sources"].values()) == 60
+    assert row["service_share"] == 0
+    assert row["event_share"] == row["signature_sources"].get("event", 0) / 60
     table = format_table(result)
     assert f"policy {policy}" in table
     assert "0 lost, 0 doubled" in table
+    assert "sig service" in table
 
 
 def test_the_command_rejects_an_unknown_policy() -> None:

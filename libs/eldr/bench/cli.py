@@ -471,6 +471,20 @@ def _register_pipeline(subparsers: Any) -> None:
     p.add_argument(
         "--rss-every", type=float, default=1.0, help="RSS sampling period, seconds (0 = off)"
     )
+    p.add_argument(
+        "--no-local-signatures",
+        dest="local_signatures",
+        action="store_false",
+        help="the simulated prefill worker sends no whole signature: every prefix hit's "
+        "blocks come from the signature service (as before PrefillDone v4)",
+    )
+    p.add_argument(
+        "--local-summary-blocks",
+        type=int,
+        default=None,
+        help="blocks the simulated prefill worker keeps its own summary of (LRU; a hit on an "
+        "evicted one goes to the service); default: every block it computed",
+    )
     p.add_argument("--json", type=Path)
     p.set_defaults(func=_run_pipeline)
 
@@ -495,6 +509,8 @@ def _run_pipeline(args: argparse.Namespace) -> int:
         saturation_p99_ms=args.saturation_p99_ms,
         replica_counts=args.replicas,
         throughput_rate=args.throughput_rate,
+        local_signatures=args.local_signatures,
+        local_summary_blocks=args.local_summary_blocks,
     )
     total_s = total_seconds(config)
     with terminal_progress(total_s, "eldr bench-pipeline", unit="s") as progress:

@@ -100,6 +100,11 @@ class PipelineConfig:
     settle_s: float = 2.0
     """Pause between two runs: the routers forget the previous run's requests (their
     pending loads and activity expire after 2 s here)."""
+    local_signatures: bool = True
+    """The replayer's prefill worker sends the whole signature for prefix hits on blocks
+    it holds (`ReplayConfig.local_signatures`); False: the service supplies every hit."""
+    local_summary_blocks: int | None = None
+    """Bound of that local store, in blocks (`ReplayConfig.local_summary_blocks`)."""
 
 
 SPEC = SyntheticSpec(num_topics=8, num_moe_layers=24, num_experts=128, top_k=1)
@@ -358,6 +363,8 @@ async def measure_rate(
             seed=config.seed,
             send_jobs=False,
             decision_timeout_s=5.0,
+            local_signatures=config.local_signatures,
+            local_summary_blocks=config.local_summary_blocks,
         ),
     )
     ticker = _WallTicker(progress, config.duration_s)
@@ -415,9 +422,24 @@ async def measure_rate(
         "load_average": load_average(),
         "errors": summary.errors,
         "error_samples": summary.error_samples[:3],
+        "signature_sources": dict(summary.signature_sources),
+        **signature_shares(summary.signature_sources),
     }
     log.info("rate %.0f: %s", rate, row)
     return row
+
+
+def signature_shares(sources: Mapping[str, int]) -> dict[str, float | None]:
+    """The share of the events sent whose signature needed the signature service
+    (`service_share`) and of those that carried it whole (`event_share`), from what the
+    replayer sent (`ReplaySummary.signature_sources`); None with nothing sent."""
+    sent = sum(sources.values())
+    if not sent:
+        return {"event_share": None, "service_share": None}
+    return {
+        "event_share": round(sources.get("event", 0) / sent, 4),
+        "service_share": round(sources.get("service", 0) / sent, 4),
+    }
 
 
 def load_average() -> list[float]:
@@ -515,6 +537,8 @@ async def drive(
             "duration_s": config.duration_s,
             "geometry": "24 MoE layers x 128 experts, top-1, 16-token blocks",
             "cpus": os.cpu_count(),
+            "local_signatures": config.local_signatures,
+            "local_summary_blocks": config.local_summary_blocks,
         },
         "results": per_policy[config.policy],
         "policies": per_policy,
@@ -638,10 +662,13 @@ def _rows_table(rows: list[dict[str, Any]], first: str = "rate/s") -> list[str]:
     def num(x: float | None, width: int, digits: int = 2) -> str:
         return f"{x:>{width}.{digits}f}" if x is not None else f"{'-':>{width}}"
 
+    def pct(x: float | None, width: int) -> str:
+        return f"{x * 100:>{width - 1}.1f}%" if x is not None else f"{'-':>{width}}"
+
     lines = [
         f"{first:>7} {'achieved':>8} {'sent':>6} {'decided':>7} {'lost':>4} {'P50 ms':>7} "
         f"{'P99 ms':>7} {'max ms':>7} {'router P50':>10} {'router P99':>10} "
-        f"{'router CPU us/dec':>17} {'load avg':>8}"
+        f"{'router CPU us/dec':>17} {'load avg':>8} {'sig event':>9} {'sig service':>11}"
     ]
     for r in rows:
         key = r["routers"] if first == "routers" else r["rate"]
@@ -651,7 +678,7 @@ def _rows_table(rows: list[dict[str, Any]], first: str = "rate/s") -> list[str]:
             f"{r['lost']:>4} {num(r['latency_p50_ms'], 7)} {num(r['latency_p99_ms'], 7)} "
             f"{num(r['latency_max_ms'], 7, 1)} {num(r['router_p50_ms'], 10)} "
             f"{num(r['router_p99_ms'], 10)} {num(r.get('router_cpu_us_per_decision'), 17, 0)} "
-            f"{num(load[0], 8)}"
+            f"{num(load[0], 8)} {pct(r.get('event_share'), 9)} {pct(r.get('service_share'), 11)}"
         )
     return lines
 
@@ -662,7 +689,13 @@ def format_table(result: dict[str, Any]) -> str:
         f"pipeline: {inp['routers']} router(s) (policy {inp['policy']}), "
         f"{inp['signature_replicas']} signature "
         f"replica(s), {inp['decoders']} simulated decode workers, {inp['duration_s']} s per "
-        f"rate, SYNTHETIC requests ({inp['geometry']})",
+        f"rate, SYNTHETIC requests ({inp['geometry']}); local signatures "
+        f"{'on' if inp.get('local_signatures', True) else 'off'}"
+        + (
+            f" ({inp['local_summary_blocks']} blocks)"
+            if inp.get("local_summary_blocks") is not None
+            else ""
+        ),
     ]
     per_policy = result.get("policies") or {inp["policy"]: result["results"]}
     for policy, rows in per_policy.items():
@@ -672,7 +705,9 @@ def format_table(result: dict[str, Any]) -> str:
         "P50/P99/max: PrefillDone publish -> decision received, in the replayer; router P50/P99: "
         "the router's own part (PrefillDone taken -> decision built, signature fetch "
         "included; Decision.decide_s); router CPU: the router processes' CPU time over the "
-        "run / decisions"
+        "run / decisions; sig event / sig service: the share of PrefillDone events sent that "
+        "carried the whole signature / left cached blocks to the signature service (the rest "
+        "had no prefix hit), as the replayer sent them"
     )
     for row in result.get("versus") or []:
         lines.append(
