@@ -75,6 +75,19 @@ def expired(msg: PrefillDone, now_s: float) -> bool:
     return msg.deadline_s is not None and now_s > msg.deadline_s
 
 
+def recorded_signature(msg: PrefillDone, counts: np.ndarray | None) -> SparseCounts | None:
+    """The decision's record of `counts`: the event's own sparse counts when they are the
+    whole of it (the signature in the event, or what the prefill computed with no prefix
+    hit: re-encoding them costs ~15 us a decision), else `counts` encoded."""
+    if counts is None:
+        return None
+    if msg.signature is not None:
+        return msg.signature
+    if msg.computed is not None and msg.cached_prefix_blocks == 0:
+        return msg.computed
+    return SparseCounts.from_dense(counts)
+
+
 class RouterService:
     def __init__(self, ctx: ServiceContext[RouterSettings]) -> None:
         self.ctx = ctx
@@ -505,7 +518,7 @@ class RouterService:
             scores=list(outcome.scores),
             band=list(outcome.band),
             loads=list(outcome.loads),
-            signature=None if counts is None else SparseCounts.from_dense(counts),
+            signature=recorded_signature(msg, counts),
             missing_blocks=missing,
             decide_s=time.perf_counter() - taken,
             rng_seed=outcome.rng_seed,
