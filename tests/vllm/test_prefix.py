@@ -1,7 +1,9 @@
 """Exact signatures under prefix caching, on a real vLLM engine.
 
 A request whose leading blocks hit vLLM's prefix cache computes (and so routes) only its
-tail; the router adds the cached blocks' summaries from the signature service. The
+tail; the plugin adds its own summaries of the cached blocks (it computed them) and sends
+the whole signature in the event (otherwise the router adds them from the signature
+service). The
 decision it records must carry the same signature as the same prompt computed with no
 cache hit at all: a unique `cache_salt` keeps the engine's prefix cache from matching any
 block of a request, which is prefix caching off for that request. With the tests'
@@ -138,13 +140,21 @@ async def test_prefix_cache_hits_yield_the_signature_of_an_uncached_prefill(
         stop.set()
         await reporter
         await bus.drain()
-    assert events[f"hit-{run}"].cached_prefix_blocks >= 3
+    hit_event = events[f"hit-{run}"]
+    assert hit_event.cached_prefix_blocks >= 3
     assert events[f"cold-{run}"].cached_prefix_blocks == 0
     assert hit.missing_blocks == 0
     assert hit.signature is not None
     assert cold.signature is not None
     hit_counts = hit.signature.to_dense(np.int64)
     np.testing.assert_array_equal(hit_counts, cold.signature.to_dense(np.int64))
+    # Local first: this instance computed every block the hit took from its prefix cache
+    # or loaded through the connector (the cold run computed the whole target), so its
+    # event carries the whole signature and the router asked the signature service nothing.
+    assert hit_event.signature_source == "event"
+    assert hit_event.computed is None
+    assert hit_event.signature is not None
+    np.testing.assert_array_equal(hit_event.signature.to_dense(np.int64), hit_counts)
     tokens = np.load(engines.dump_dir / f"cold-{run}.npz")["token_ids"].tolist()
     want = expert_counts(TransformersRouting(tiny_model).expert_ids(tokens), hit_counts.shape[1])  # type: ignore[arg-type]
     np.testing.assert_array_equal(hit_counts, want)
