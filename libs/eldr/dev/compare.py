@@ -38,7 +38,6 @@ import logging
 import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -61,10 +60,10 @@ from eldr.dev.demo import (
     DemoConfig,
     DemoResult,
     PolicyResult,
-    add_profile_arguments,
+    add_run_arguments,
     demo_requests,
     load_input,
-    profiles_from_args,
+    run_config_fields,
     run_demo,
 )
 from eldr.dev.stack import Stack
@@ -729,25 +728,12 @@ def register(subparsers: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--traces", type=Path, help="trace directory; default: synthetic workload")
-    p.add_argument("--num-experts", type=int, default=None)
-    p.add_argument("--decoders", type=int, default=8)
-    p.add_argument("--calibration-requests", type=int, default=600)
-    p.add_argument("--evaluation-requests", type=int, default=1500)
+    add_run_arguments(p)
     p.add_argument("--synthetic-requests", type=int, default=600)
-    p.add_argument("--target-batch", type=float, default=16.0)
-    p.add_argument("--rate", type=float, default=None, help="arrival rate (req/s)")
     p.add_argument("--routers", type=int, default=2, help="router replicas (default 2)")
     p.add_argument(
         "--report-interval", type=float, default=0.1, help="simdecode load-report period, s"
     )
-    add_profile_arguments(p)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--database-url", default=None, help="default: SQLite in the state directory")
-    p.add_argument(
-        "--state-dir", type=Path, default=Path(".eldr"), help="local stack state (default .eldr)"
-    )
-    p.add_argument("--json", type=Path, help="write the result as JSON here")
     p.set_defaults(func=_main)
 
 
@@ -755,20 +741,10 @@ def _main(args: argparse.Namespace) -> int:
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
     config = DemoConfig(
-        traces=args.traces,
-        num_experts=args.num_experts,
-        decoders=args.decoders,
-        calibration_requests=args.calibration_requests,
-        evaluation_requests=args.evaluation_requests,
+        **run_config_fields(args, POLICIES),
         synthetic_requests=args.synthetic_requests,
-        target_batch=args.target_batch,
-        rate_per_s=args.rate,
-        seed=args.seed,
-        database_url=args.database_url,
-        state_dir=args.state_dir,
         router_replicas=args.routers,
         report_interval_s=args.report_interval,
-        policies=profiles_from_args(args, POLICIES),
     )
     try:
         result = run_compare(config)

@@ -540,23 +540,10 @@ def register(subparsers: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--traces", type=Path, help="trace directory; default: synthetic workload")
-    p.add_argument("--num-experts", type=int, default=None)
-    p.add_argument("--decoders", type=int, default=8)
-    p.add_argument("--calibration-requests", type=int, default=600)
-    p.add_argument("--evaluation-requests", type=int, default=1500)
-    p.add_argument("--target-batch", type=float, default=16.0)
-    p.add_argument("--rate", type=float, default=None, help="arrival rate (req/s)")
+    add_run_arguments(p)
     p.add_argument("--time-scale", type=float, default=1.0)
-    add_profile_arguments(p)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--database-url", default=None, help="default: SQLite in the state directory")
-    p.add_argument(
-        "--state-dir", type=Path, default=Path(".eldr"), help="local stack state (default .eldr)"
-    )
     p.add_argument("--nats-url", default=None, help="default: an embedded nats-server")
     p.add_argument("--echo-services", action="store_true", help="show the services' logs")
-    p.add_argument("--json", type=Path, help="write the result as JSON here")
     p.add_argument(
         "--png",
         type=Path,
@@ -564,6 +551,45 @@ def register(subparsers: Any) -> None:
         help=f"write the chart here (default {DEFAULT_PNG})",
     )
     p.set_defaults(func=_main)
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """What `eldr demo` and `eldr compare-live` both take: the workload, the cluster, the
+    compared profiles, the seed, the stack's state and the JSON result
+    (`run_config_fields` maps them onto `DemoConfig`)."""
+    p.add_argument("--traces", type=Path, help="trace directory; default: synthetic workload")
+    p.add_argument("--num-experts", type=int, default=None)
+    p.add_argument("--decoders", type=int, default=8)
+    p.add_argument("--calibration-requests", type=int, default=600)
+    p.add_argument("--evaluation-requests", type=int, default=1500)
+    p.add_argument("--target-batch", type=float, default=16.0)
+    p.add_argument("--rate", type=float, default=None, help="arrival rate (req/s)")
+    add_profile_arguments(p)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--database-url", default=None, help="default: SQLite in the state directory")
+    p.add_argument(
+        "--state-dir", type=Path, default=Path(".eldr"), help="local stack state (default .eldr)"
+    )
+    p.add_argument("--json", type=Path, help="write the result as JSON here")
+
+
+def run_config_fields(
+    args: argparse.Namespace, default_policies: tuple[ProfileBase, ...]
+) -> dict[str, Any]:
+    """The `DemoConfig` fields of `add_run_arguments`' arguments."""
+    return {
+        "traces": args.traces,
+        "num_experts": args.num_experts,
+        "decoders": args.decoders,
+        "calibration_requests": args.calibration_requests,
+        "evaluation_requests": args.evaluation_requests,
+        "target_batch": args.target_batch,
+        "rate_per_s": args.rate,
+        "policies": profiles_from_args(args, default_policies),
+        "seed": args.seed,
+        "database_url": args.database_url,
+        "state_dir": args.state_dir,
+    }
 
 
 def add_profile_arguments(p: argparse.ArgumentParser) -> None:
@@ -603,18 +629,8 @@ def _main(args: argparse.Namespace) -> int:
         if out is not None:  # fail now, not after the run
             out.parent.mkdir(parents=True, exist_ok=True)
     config = DemoConfig(
-        traces=args.traces,
-        num_experts=args.num_experts,
-        decoders=args.decoders,
-        calibration_requests=args.calibration_requests,
-        evaluation_requests=args.evaluation_requests,
-        target_batch=args.target_batch,
-        rate_per_s=args.rate,
+        **run_config_fields(args, DemoConfig.policies),
         time_scale=args.time_scale,
-        policies=profiles_from_args(args, DemoConfig.policies),
-        seed=args.seed,
-        database_url=args.database_url,
-        state_dir=args.state_dir,
         nats_url=args.nats_url,
         echo_services=args.echo_services,
     )
