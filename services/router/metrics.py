@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from eldr.bus.metrics import LATENCY_BUCKETS_S
 from eldr.core.routing.decide import FALLBACK_REASONS
-
-LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5)
 
 
 class RouterMetrics:
@@ -23,13 +22,13 @@ class RouterMetrics:
         self.decision_seconds = Histogram(
             "eldr_router_decision_latency_seconds",
             "From taking a PrefillDone to the committed decision.",
-            buckets=LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS_S,
             registry=r,
         )
         self.signature_seconds = Histogram(
             "eldr_router_signature_fetch_seconds",
             "Signature request/reply round trip.",
-            buckets=LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS_S,
             registry=r,
         )
         self.signature_outcomes = Counter(

@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from eldr.bus import Replay
+from eldr.bus.metrics import LATENCY_BUCKETS_S
 from eldr.signature.state import Outcome, RejectReason, SignatureState
 from eldr.wire import BlockSummaryBatch
 
@@ -29,7 +30,6 @@ ASSEMBLY_SECONDS_BUCKETS = (
     1.0,
     2.5,
 )
-WAIT_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 
 
 class SignatureMetrics:
@@ -97,7 +97,7 @@ class SignatureMetrics:
             "eldr_signature_assembly_wait_seconds",
             "Time assemblies waited for blocks in flight (only those that waited).",
             registry=registry,
-            buckets=WAIT_SECONDS_BUCKETS,
+            buckets=LATENCY_BUCKETS_S,
         )
         self.assembly_seconds = Histogram(
             "eldr_signature_assembly_duration_seconds",

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from eldr.bus.metrics import LATENCY_BUCKETS_S
 from eldr.sim.traffic import ReplaySummary, TraceReplayer
-
-LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0)
 
 
 class SimPrefillMetrics:

@@ -10,6 +10,30 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from eldr.bus.errors import REFUSAL_REASONS
 
+LATENCY_BUCKETS_S = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+"""Buckets of every request-path latency histogram (bus handlers, the router's decision
+and signature fetch, the gateway's waits, the signature service's assembly wait, the
+simulated prefill's): 0.1 ms to 10 s, 1-2.5-5 per decade, so the same quantile reads alike
+across services. (The decision path runs at 0.1-2 ms; the alert rules' thresholds, 10 and
+50 ms, are bucket bounds.)"""
+
 REJECT_REASONS = (
     "too_large",
     "invalid",
@@ -63,21 +87,5 @@ class BusMetrics:
             "Time spent in message handlers, by subject family.",
             ["family"],
             registry=registry,
-            buckets=(
-                0.0001,
-                0.00025,
-                0.0005,
-                0.001,
-                0.0025,
-                0.005,
-                0.01,
-                0.025,
-                0.05,
-                0.1,
-                0.25,
-                0.5,
-                1.0,
-                2.5,
-                5.0,
-            ),
+            buckets=LATENCY_BUCKETS_S,
         )
