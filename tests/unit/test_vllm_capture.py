@@ -46,6 +46,12 @@ def run_one_step(s: CaptureState, rid: str, ids: np.ndarray, start: int) -> Step
     return s.on_step([rid], [n - start], positions, ids[start:], 1.0, 100.0)
 
 
+def published(result: StepResult) -> list[PrefillDone]:
+    """What the publisher's thread does with a step: build its block batches (which keeps
+    them in the local store), then its events."""
+    return result.done
+
+
 def signature(done: PrefillDone, reference_blocks: list[np.ndarray]) -> np.ndarray:
     """What the router assembles: the event's whole `signature`, or the cached blocks'
     counts plus `computed`."""
@@ -276,12 +282,31 @@ def test_a_prefix_hit_on_blocks_computed_here_carries_the_whole_signature() -> N
     assert (s.local_hits, s.local_misses) == (1, 0)
 
 
+def test_the_engines_step_leaves_the_store_to_the_publisher() -> None:
+    """The engine's thread only counts: the step's blocks enter the store when the
+    publisher builds their messages, and a hit is looked up when it builds the event."""
+    s = state()
+    tokens, ids = prompt(14)
+    s.add_request("e1", tokens, 0, 0.0, request_id="r1")
+    result = run_one_step(s, "e1", ids, 0)
+    assert len(s.local or ()) == 0
+    published(result)
+    assert len(s.local or ()) == 3
+    hit_tokens, hit_ids = shared_prefix(15, 12, seed=5)
+    s.add_request("e2", hit_tokens, 12, 0.0, request_id="r2")
+    hit = run_one_step(s, "e2", hit_ids, 12)
+    assert (s.local_hits, s.local_misses) == (0, 0)
+    (done,) = hit.done
+    assert done.signature is not None
+    assert (s.local_hits, s.local_misses) == (1, 0)
+
+
 def test_a_hit_on_a_block_the_store_evicted_falls_back_to_the_service() -> None:
     entry = LocalSummary.of(np.ones((L, E), np.uint16)).nbytes  # dense: every block's size
     s = state(local_summary_bytes=2 * entry)  # two blocks
     tokens, ids = prompt(12)
     s.add_request("e1", tokens, 0, 0.0)
-    run_one_step(s, "e1", ids, 0)
+    published(run_one_step(s, "e1", ids, 0))
     assert s.local is not None
     assert len(s.local) == 2
     assert s.local.evictions == 1
@@ -301,7 +326,7 @@ def test_blocks_loaded_from_elsewhere_fall_back_even_when_some_are_held() -> Non
     s = state()
     tokens, ids = prompt(8)
     s.add_request("e1", tokens, 0, 0.0)
-    run_one_step(s, "e1", ids, 0)  # blocks 0 and 1 computed here
+    published(run_one_step(s, "e1", ids, 0))  # blocks 0 and 1 computed here
     hit_tokens, hit_ids = shared_prefix(14, 8, seed=4)
     # Blocks 0-2 cached: 0 and 1 computed here, 2 loaded by a connector from elsewhere.
     s.add_request("e2", hit_tokens, 12, 0.0)
@@ -318,7 +343,7 @@ def test_no_budget_no_store_every_hit_asks_the_service() -> None:
     assert s.local is None
     tokens, ids = prompt(8)
     s.add_request("e1", tokens, 0, 0.0)
-    run_one_step(s, "e1", ids, 0)
+    published(run_one_step(s, "e1", ids, 0))
     s.add_request("e2", tokens, 4, 0.0)
     (done,) = run_one_step(s, "e2", ids, 4).done
     assert done.signature is None

@@ -138,9 +138,9 @@ class LocalSummaries:
     own KV cache holds (`DEFAULT_LOCAL_SUMMARY_BYTES` says what it costs).
 
     A block's summary depends only on its tokens (through the chained hash: on its whole
-    prefix), so the one kept here is the one this instance published. Entries are never
-    changed once stored: a `lookup`'s result may be summed on another thread while the
-    engine's thread goes on storing and evicting. Not thread-safe otherwise.
+    prefix), so the one kept here is the one this instance published. Not thread-safe:
+    the publisher's thread alone uses it (`StepResult`), which keeps its cost (about 3-10
+    us a block to compact) off the engine's thread.
     """
 
     def __init__(self, max_bytes: int) -> None:
@@ -323,33 +323,44 @@ class PendingDone:
     fields: dict[str, object]
     computed: np.ndarray
     partial: np.ndarray | None
-    cached: list[LocalSummary] | None = None
-    """This instance's own summaries of every cached block, when it held them all: the
-    event carries `signature` (their sum plus `computed`) instead of `computed`."""
+    cached_hashes: list[int] = field(default_factory=list)
+    """The block hashes of its prefix-cache hits (the leading `cached_prefix_blocks`)."""
 
-    def message(self) -> PrefillDone:
+    def message(self, local: LocalSummaries | None) -> tuple[PrefillDone, bool | None]:
+        """The event, and whether `local` held a summary of every cached block (then it
+        carries `signature`, their sum plus `computed`, instead of `computed`); None when
+        nothing was cached."""
         partial = None if self.partial is None else SparseCounts.from_dense(self.partial)
-        if self.cached is None:
-            return PrefillDone(
+        cached = None
+        if self.cached_hashes and local is not None:
+            cached = local.lookup(self.cached_hashes)
+        if cached is None:
+            event = PrefillDone(
                 **self.fields,  # type: ignore[arg-type]
                 computed=SparseCounts.from_dense(self.computed),
                 partial=partial,
             )
+            return event, (False if self.cached_hashes else None)
         total = self.computed.astype(np.uint32).reshape(-1)  # a copy
-        for summary in self.cached:
+        for summary in cached:
             summary.add_to(total)
-        return PrefillDone(
+        event = PrefillDone(
             **self.fields,  # type: ignore[arg-type]
             signature=SparseCounts.from_dense(total.reshape(self.computed.shape)),
             partial=partial,
         )
+        return event, True
 
 
 class StepResult:
     """What one engine step produced: block batches first, then prefill-done events.
 
     Holds dense counts; the wire messages are built on first access of `batches` or
-    `done` (by the publisher's thread, off the engine's)."""
+    `done` (by the publisher's thread, off the engine's), and so is every use of the
+    capture's local summary store: `batches` keeps this step's blocks in it, `done` (which
+    builds `batches` first) looks up the cached blocks of this step's prefills. The
+    publisher takes the steps in order, so a prefix hit finds every block an earlier step
+    computed (and published), and the engine's thread does no more than before."""
 
     def __init__(
         self,
@@ -359,7 +370,9 @@ class StepResult:
         blocks: list[PendingBlock],
         done: list[PendingDone],
         completed: list[RequestCapture],
+        owner: CaptureState | None = None,
     ) -> None:
+        self._owner = owner
         self._config = config
         self._first_seq = first_seq
         self._wall_s = wall_s
@@ -395,12 +408,25 @@ class StepResult:
                 )
                 for n, lo in enumerate(range(0, len(messages), MAX_BLOCKS_PER_BATCH))
             ]
+            local = None if self._owner is None else self._owner.local
+            if local is not None:
+                for block in self._blocks:
+                    local.put(block.block_hash, block.counts)
         return self._batches
 
     @property
     def done(self) -> list[PrefillDone]:
         if self._done_messages is None:
-            self._done_messages = [d.message() for d in self._done]
+            self.batches  # noqa: B018 -- this step's blocks go into the store first
+            owner = self._owner
+            local = None if owner is None else owner.local
+            messages = []
+            for pending in self._done:
+                event, held = pending.message(local)
+                if owner is not None and held is not None:
+                    owner.note_local(held)
+                messages.append(event)
+            self._done_messages = messages
         return self._done_messages
 
 
@@ -499,13 +525,21 @@ class CaptureState:
         """Requests whose computed counts could not be made exact (see `add_request`)."""
         budget = config.local_summary_bytes
         self.local: LocalSummaries | None = LocalSummaries(budget) if budget else None
-        """This instance's own block summaries (None: the budget is 0)."""
+        """This instance's own block summaries (None: the budget is 0). Used by the
+        publisher's thread only (`StepResult`)."""
         self.local_hits = 0
         """Prefills with a prefix-cache hit whose every cached block this instance held a
         summary of: their event carried the whole `signature`."""
         self.local_misses = 0
         """Prefills with a prefix-cache hit on a block it held no summary of (computed
-        elsewhere, or evicted): the signature service supplies the cached blocks."""
+        elsewhere, or evicted): the signature service supplies the cached blocks.
+        (Both counted when the event is built, on the publisher's thread.)"""
+
+    def note_local(self, held: bool) -> None:
+        if held:
+            self.local_hits += 1
+        else:
+            self.local_misses += 1
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -632,15 +666,13 @@ class CaptureState:
                 if block.block_hash not in seen:  # two requests computed the same block
                     seen.add(block.block_hash)
                     blocks.append(block)
-                    if self.local is not None:
-                        self.local.put(block.block_hash, block.counts)
             if capture.complete:
                 done.append(self._prefill_done(capture, now_s, wall_s))
                 completed.append(capture)
                 del self.requests[engine_id]
         first_seq = self.batch_seq
         self.batch_seq += StepResult.batch_count(len(blocks))
-        return StepResult(self.config, first_seq, wall_s, blocks, done, completed)
+        return StepResult(self.config, first_seq, wall_s, blocks, done, completed, owner=self)
 
     def _prefill_done(self, capture: RequestCapture, now_s: float, wall_s: float) -> PendingDone:
         c, g = self.config, self.config.geometry
@@ -663,12 +695,5 @@ class CaptureState:
             "cached_prefix_blocks": capture.cached_blocks,
             "deadline_s": deadline_of(wall_s, capture.decision_budget_s),
         }
-        cached: list[LocalSummary] | None = None
-        if capture.cached_blocks:
-            if self.local is not None:
-                cached = self.local.lookup(capture.block_hashes[: capture.cached_blocks])
-            if cached is None:
-                self.local_misses += 1
-            else:
-                self.local_hits += 1
+        cached = capture.block_hashes[: capture.cached_blocks]
         return PendingDone(fields, capture.computed_total + tail, partial, cached)
