@@ -870,8 +870,9 @@ class _Information:
     def decided(
         self, replica: RouterReplica, w: int, a: int, req_idx: int, prompt_tokens: int, now: float
     ) -> None:
-        """The replica sent arrival `a` to worker `w`: it counts it after the commit, the
-        other replicas after propagation, the worker gets it after dispatch."""
+        """The replica sent arrival `a` to worker `w`: it counts it after `commit_s` (0, at
+        once, as the live router does), the other replicas after propagation, the worker
+        gets it after dispatch."""
         m = self.model
         replica.decisions += 1
         wid, rid = self.worker_ids[w], str(a)

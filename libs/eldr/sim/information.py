@@ -9,9 +9,11 @@ in flight there. A live router replica (services/router) knows less:
   later), plus the assignments the replica has seen since (pending until a report lists
   them as admitted). A request that finished after the report still counts until the
   next one.
-- **Decisions.** A replica counts its own decision once it is committed (`commit_s`: the
-  JetStream publish and its acknowledgement; decisions taken meanwhile do not see it) and
-  another replica's after `propagation_s` (stored by JetStream, pushed to the subscribers).
+- **Decisions.** A replica counts its own decision when it makes it, before the commit's
+  acknowledgement (`RouterCore.reserve`; `commit_s` = 0; a positive `commit_s` models a
+  router that counts only after the acknowledgement, as the live one did before issue 14:
+  decisions taken meanwhile do not see it) and another replica's after `propagation_s`
+  (stored by JetStream, pushed to the subscribers).
   Arrivals are split between `routers` replicas (the shared pull consumer hands each
   PrefillDone to one of them), each with its own policy state (round-robin cursor).
 - **Finishes.** A finished request leaves a replica's pending set and activity table when
@@ -74,10 +76,12 @@ class InformationModel:
     Measured by `eldr compare-live`'s probe (receive time - `LoadReport.ts_s`, median) on the
     development machine, 2026-12-01, real traces: 2.9 ms in the round-robin pass, 3.5 and
     4.0 ms in the two others (two shared cores; docs/BENCHMARKS.md section 4)."""
-    commit_s: float = 0.003
-    """Decision built -> counted by its own replica: the JetStream publish awaiting its
-    acknowledgement, taken as the decision's delivery time to the probe (receive time -
-    `Decision.ts_s`): 2.8 ms median (3.4, 4.7 ms), same run."""
+    commit_s: float = 0.0
+    """Decision built -> counted by its own replica: 0, the live router counts a decision
+    when it makes it (`RouterCore.reserve`, services/router). Until issue 14 it counted it
+    after the commit's JetStream acknowledgement, which this modelled as 3 ms (the
+    decision's delivery time to the probe, receive time - `Decision.ts_s`: 2.8 ms median,
+    3.4, 4.7 ms; the run of `report_hop_s`)."""
     propagation_s: float = 0.003
     """Decision built -> counted by the other replicas (stored, then pushed on
     `decisions.*`): the same measurement as `commit_s`."""
