@@ -255,6 +255,7 @@ REQUESTS = 200
 RATE_PER_S = "100"
 """simprefill's workload in this test (the overlay's replays without end): enough for the
 dev ConfigMap's ELDR_MIN_SAMPLES, at a rate a shared CI machine keeps up with."""
+LOCAL_SUMMARY_BLOCKS = "8"
 
 
 @pytest.fixture(scope="module")
@@ -279,6 +280,10 @@ def stack(
         if service == "simprefill":
             env["ELDR_SIMPREFILL_COUNT"] = str(REQUESTS)
             env["ELDR_SIMPREFILL_RATE_PER_S"] = RATE_PER_S
+            # A small store of its own block summaries: most prefix hits then go to the
+            # signature service, so the router's request to it runs under the per-service
+            # users too (with every block held, none would).
+            env["ELDR_SIMPREFILL_LOCAL_SUMMARY_BLOCKS"] = LOCAL_SUMMARY_BLOCKS
         process = subprocess.Popen(
             argv,
             env=env,
@@ -345,6 +350,7 @@ def test_requests_are_routed_with_the_per_service_users(stack: Stack) -> None:
     stack.wait_for("router", "eldr_router_decisions_total", REQUESTS)
     stack.wait_for("simprefill", "eldr_simprefill_requests_total", REQUESTS)
     assert stack.metric("router", "eldr_router_worker_requests") >= 0
+    assert stack.metric("router", 'eldr_router_signature_source_total{source="service"}') > 0
     assert stack.metric("signature", "eldr_signature_assemblies_total") > 0
 
 
