@@ -71,27 +71,29 @@ class InformationModel:
     routers: int = DEMO_ROUTERS
     report_interval_s: float = SIMDECODE_REPORT_INTERVAL_S
     """0: every time a router looks it has a report from that instant (perfect load)."""
-    report_hop_s: float = 0.003
+    report_hop_s: float = 0.0009
     """Load report publish -> routers: a core NATS publish between local processes.
     Measured by `eldr compare-live`'s probe (receive time - `LoadReport.ts_s`, median) on the
-    development machine, 2026-12-01, real traces: 2.9 ms in the round-robin pass, 3.5 and
-    4.0 ms in the two others (two shared cores; docs/BENCHMARKS.md section 4)."""
+    development machine, 2026-12-01 after issue 14, machine otherwise quiet: 0.77-0.86 ms in
+    the three passes on real traces, 0.88-0.90 ms on the synthetic workload
+    (docs/BENCHMARKS.md section 4). Before issue 14, under load 1.3-3.3: 2.9-4.0 ms."""
     commit_s: float = 0.0
     """Decision built -> counted by its own replica: 0, the live router counts a decision
     when it makes it (`RouterCore.reserve`, services/router). Until issue 14 it counted it
     after the commit's JetStream acknowledgement, which this modelled as 3 ms (the
-    decision's delivery time to the probe, receive time - `Decision.ts_s`: 2.8 ms median,
-    3.4, 4.7 ms; the run of `report_hop_s`)."""
-    propagation_s: float = 0.003
+    decision's delivery time to the probe, receive time - `Decision.ts_s`)."""
+    propagation_s: float = 0.0007
     """Decision built -> counted by the other replicas (stored, then pushed on
-    `decisions.*`): the same measurement as `commit_s`."""
-    dispatch_s: float = 0.009
+    `decisions.*`): the decision's delivery time to the probe, 0.58-0.68 ms (real traces),
+    0.58-0.76 ms (synthetic), same runs (2.8-4.7 ms before issue 14)."""
+    dispatch_s: float = 0.0024
     """Decision built -> its job at the worker (the commit, the reply to the requester's
-    inbox, the requester's `DecodeJob` request): 9.2 ms median (12.3, 18.9 ms), same run."""
-    finish_lag_s: float = 0.012
+    inbox, the requester's `DecodeJob` request): 2.25-2.37 ms (real traces), 2.36-2.78 ms
+    (synthetic), same runs (9.2-18.9 ms before issue 14)."""
+    finish_lag_s: float = 0.0015
     """Last token -> the finish event at the routers (the worker's `DecodeJobDone` to the
-    gateway, then its `RequestFinished` to the routers): 11.8 ms median (16.0, 28.8 ms),
-    same run."""
+    gateway, then its `RequestFinished` to the routers): 1.40-1.51 ms (real traces),
+    1.40-1.92 ms (synthetic), same runs (11.8-28.8 ms before issue 14)."""
     expire_period_s: float = ROUTER_EXPIRE_PERIOD_S
     stale_after_s: float = 3.0
     """`ELDR_STALE_AFTER_S` default."""
