@@ -8,8 +8,7 @@ import asyncio
 import re
 import socket
 import time
-from collections.abc import AsyncIterator
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 
 import aiohttp
 import numpy as np
@@ -22,7 +21,6 @@ from eldr.settings import BusSettings, RetentionSettings
 from eldr.wire import (
     Decision,
     DecodeProfile,
-    LoadReport,
     PrefillDone,
     RequestFinished,
     SparseCounts,
@@ -31,10 +29,13 @@ from eldr_services.router.service import setup
 from eldr_services.router.settings import RouterSettings
 from support import messages
 from support.services import running_service
+from support.workers import reporting
 
 pytestmark = pytest.mark.integration
 
 L, E = 2, 4
+RUNNING = {"d0": 3, "d1": 3}
+"""Both stand-in workers report 3 running requests."""
 
 
 def free_port() -> int:
@@ -51,39 +52,6 @@ def counts(*experts: int) -> np.ndarray:
 
 def running_router(settings: RouterSettings) -> AbstractAsyncContextManager[None]:
     return running_service("router", settings, setup)
-
-
-@asynccontextmanager
-async def reporting(bus: Bus, admitted: dict[str, list[str]]) -> AsyncIterator[None]:
-    """Both workers report 3 running requests, listing as admitted what `admitted` holds
-    now (so another replica's decisions are not also counted as pending)."""
-
-    async def loop() -> None:
-        seq = 0
-        while True:
-            seq += 1
-            for w in ("d0", "d1"):
-                await bus.publish(
-                    bus.subjects.load(w),
-                    LoadReport(
-                        worker_id=w,
-                        incarnation="inc",
-                        seq=seq,
-                        ts_s=time.time(),
-                        running=3,
-                        waiting=0,
-                        kv_tokens=300,
-                        kv_capacity_tokens=100_000,
-                        admitted=list(admitted[w]),
-                    ),
-                )
-            await asyncio.sleep(0.1)
-
-    task = asyncio.create_task(loop())
-    try:
-        yield
-    finally:
-        task.cancel()
 
 
 async def other_replica_decides(bus: Bus, rid: str, worker: str, experts: tuple[int, ...]) -> None:
@@ -196,7 +164,7 @@ async def test_cost_aware_routing_follows_activity_and_forgets_finished_requests
     )
     assert settings.routing_profile == EldrCostProfile()  # the default
     admitted: dict[str, list[str]] = {"d0": [], "d1": []}
-    async with reporting(bus, admitted), running_router(settings):
+    async with reporting(bus, RUNNING, period_s=0.1, admitted=admitted), running_router(settings):
         # Another replica sent three expert-2/3 requests to d1.
         for i in range(3):
             admitted["d1"].append(f"y{i}")
@@ -231,7 +199,7 @@ async def test_finish_events_release_activity_without_any_decode_profile(
         metrics_port=port,
     )
     admitted: dict[str, list[str]] = {"d0": [], "d1": []}
-    async with reporting(bus, admitted), running_router(settings):
+    async with reporting(bus, RUNNING, period_s=0.1, admitted=admitted), running_router(settings):
         for i in range(3):
             admitted["d1"].append(f"y{i}")
             await other_replica_decides(bus, f"y{i}", "d1", (2, 3))
@@ -271,7 +239,7 @@ async def test_a_workers_activity_is_capped_by_its_in_flight_requests(
         activity_slack=2,
     )
     admitted: dict[str, list[str]] = {"d0": [], "d1": []}
-    async with reporting(bus, admitted), running_router(settings):
+    async with reporting(bus, RUNNING, period_s=0.1, admitted=admitted), running_router(settings):
         await asyncio.sleep(0.3)  # the first reports are in
         for i in range(40):
             admitted["d1"].append(f"y{i}")

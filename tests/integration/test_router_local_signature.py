@@ -10,8 +10,6 @@ import asyncio
 import re
 import socket
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 import aiohttp
 import numpy as np
@@ -20,10 +18,11 @@ import pytest
 from eldr.bus import Bus, Delivery, Topology, apply_topology
 from eldr.bus.topology import DECISIONS
 from eldr.settings import BusSettings, RetentionSettings
-from eldr.wire import AssembleRequest, Decision, LoadReport, PrefillDone, SparseCounts
+from eldr.wire import AssembleRequest, Decision, PrefillDone, SparseCounts
 from eldr_services.router.service import setup
 from eldr_services.router.settings import RouterSettings
 from support.services import running_service
+from support.workers import reporting
 
 pytestmark = pytest.mark.integration
 
@@ -34,36 +33,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-@asynccontextmanager
-async def reporting(bus: Bus) -> AsyncIterator[None]:
-    async def loop() -> None:
-        seq = 0
-        while True:
-            seq += 1
-            for w in ("d0", "d1"):
-                await bus.publish(
-                    bus.subjects.load(w),
-                    LoadReport(
-                        worker_id=w,
-                        incarnation="inc",
-                        seq=seq,
-                        ts_s=time.time(),
-                        running=0,
-                        waiting=0,
-                        kv_tokens=0,
-                        kv_capacity_tokens=100_000,
-                        admitted=[],
-                    ),
-                )
-            await asyncio.sleep(0.1)
-
-    task = asyncio.create_task(loop())
-    try:
-        yield
-    finally:
-        task.cancel()
 
 
 async def metric(port: int, name: str) -> float:
@@ -135,7 +104,10 @@ async def test_an_event_with_the_whole_signature_is_decided_without_the_service(
     whole = np.arange(L * E, dtype=np.uint32).reshape(L, E) * 7 + 3
     source = "eldr_router_signature_source_total"
     try:
-        async with reporting(bus), running_service("router", settings, setup):
+        async with (
+            reporting(bus, {"d0": 0, "d1": 0}, period_s=0.1),
+            running_service("router", settings, setup),
+        ):
             await bus.js_publish(
                 bus.subjects.prefill_done("p0"), event("local", signature=whole, computed=None)
             )

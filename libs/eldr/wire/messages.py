@@ -395,7 +395,27 @@ class Decision(Message, frozen=True, kw_only=True, tag="decision"):
         )
 
 
-class DecisionAssignment(Message, frozen=True, kw_only=True, tag="decision"):
+class _DecisionView(Message, frozen=True, kw_only=True, tag="decision"):
+    """What every view of a `Decision` holds (see `VIEWS`): the request, its worker and the
+    outcome, with the record's invariant between the two."""
+
+    request_id: Ident
+    worker_id: Token
+    outcome: DecisionOutcome = "assigned"
+    v: Version = 3
+
+    def __post_init__(self) -> None:
+        require(
+            (self.worker_id == NO_WORKER) == (self.outcome == "expired"),
+            f"an expired decision names no worker ({NO_WORKER!r}), an assigned one a worker",
+        )
+
+    @property
+    def assigned(self) -> bool:
+        return self.outcome == "assigned"
+
+
+class DecisionAssignment(_DecisionView, frozen=True, kw_only=True, tag="decision"):
     """What a reader that only counts assignments needs of a `Decision`: a view, decoded
     from a Decision's bytes (`decode(data, DecisionAssignment)`) with every other field
     skipped unread. Never encoded or sent: the full record stays on the DECISIONS stream
@@ -407,45 +427,16 @@ class DecisionAssignment(Message, frozen=True, kw_only=True, tag="decision"):
     them equal) and `v` is Decision's version, so a record the full type refuses (a newer
     schema) this view refuses too."""
 
-    request_id: Ident
     router_id: Ident
     model: Ident
-    worker_id: Token
     signature: SparseCounts | None
     prompt_tokens: Count | None = None
-    outcome: DecisionOutcome = "assigned"
-    v: Version = 3
-
-    def __post_init__(self) -> None:
-        require(
-            (self.worker_id == NO_WORKER) == (self.outcome == "expired"),
-            f"an expired decision names no worker ({NO_WORKER!r}), an assigned one a worker",
-        )
-
-    @property
-    def assigned(self) -> bool:
-        return self.outcome == "assigned"
 
 
-class DecisionRoute(Message, frozen=True, kw_only=True, tag="decision"):
+class DecisionRoute(_DecisionView, frozen=True, kw_only=True, tag="decision"):
     """The smallest view of a `Decision` (see `DecisionAssignment`): which worker a request
     went to. Decode adapters read every decision through it to learn which requests are
     coming to their instance."""
-
-    request_id: Ident
-    worker_id: Token
-    outcome: DecisionOutcome = "assigned"
-    v: Version = 3
-
-    def __post_init__(self) -> None:
-        require(
-            (self.worker_id == NO_WORKER) == (self.outcome == "expired"),
-            f"an expired decision names no worker ({NO_WORKER!r}), an assigned one a worker",
-        )
-
-    @property
-    def assigned(self) -> bool:
-        return self.outcome == "assigned"
 
 
 VIEWS: dict[type[Message], type[Message]] = {
