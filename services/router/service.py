@@ -3,11 +3,13 @@
 Inputs: PrefillDone events (JetStream, durable consumer shared by all replicas, at least
 once), load reports (core), every replica's decisions (to keep the fleet-wide load table),
 the gateways' finish events and decode profiles (a request leaves the load and activity
-tables), partition announcements. For each PrefillDone: fetch the signature (request/reply to the
-signature service, bounded wait), decide (`eldr.core.routing.decide`), commit the decision with
-"expected last subject sequence 0" on the request's decision subject (the first decision
-for a request id wins; a redelivery reads the committed one instead of deciding again),
-answer the requester, ack.
+tables), partition announcements. For each PrefillDone: take its signature (carried in the
+event when the prefill worker held every cached block, else request/reply to the signature
+service for the cached blocks, bounded wait), decide (`eldr.core.routing.decide`), count the
+decision in the load and activity tables at once, commit it with "expected last subject
+sequence 0" on the request's decision subject (the first decision for a request id wins; a
+redelivery reads the committed one instead of deciding again; a decision that does not
+stand is taken back out of the tables), answer the requester, ack.
 """
 
 from __future__ import annotations
@@ -664,7 +666,7 @@ async def setup(ctx: ServiceContext[RouterSettings]) -> None:
 
 NO_ECHO = True
 """The router's own decisions come back on `decisions.*` only through other replicas: it
-counts them against their workers when it commits them, so skipping the echo saves a
+counts them against their workers when it makes them, so skipping the echo saves a
 decode per request without losing anything."""
 
 
