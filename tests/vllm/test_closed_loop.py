@@ -7,7 +7,8 @@ or broken off by the client), each request's decode profile from the capture plu
 decode engine. A few hundred requests with varied output lengths, streamed or not, some
 aborted by the client mid-stream, go through the gateway; then:
 
-- every request ends in exactly one final finish event (and aborts say "abort");
+- every request ends in exactly one final finish event (a client hang-up says "abort",
+  unless the whole stream had reached the gateway before it saw the hang-up);
 - the router's activity entries per worker never exceed the worker's in-flight requests
   plus the slack at any sampled moment, and drop to zero within a second of the end;
 - decode profiles equal a transformers reference of the same greedy decode: the same
@@ -321,12 +322,24 @@ async def test_the_loop_closes_on_real_decode_workers(engines: Engines, tmp_path
     assert all(s.status == 200 for s in plan), Counter(s.status for s in plan)
 
     # Exactly one final finish event per request, naming the worker that answered.
+    aborted = 0
     for sent in plan:
         final = [e for e in observed.finishes.get(sent.request_id, []) if e.reason != "moved"]
         assert len(final) == 1, (sent.request_id, observed.finishes.get(sent.request_id))
         assert final[0].worker_id == sent.worker
         assert final[0].gateway_id == "gateway-0"
-        assert final[0].reason == ("abort" if sent.abort else "length"), final[0]
+        if not sent.abort:
+            assert final[0].reason == "length", final[0]
+        elif final[0].reason == "abort":
+            aborted += 1
+        else:
+            # The whole stream reached the gateway (and was written to the socket) before it
+            # saw the client hang up: the request did end by length (seen in CI with the
+            # gateway's loop starved while the tiny model decoded 400 tokens in 1.1 s).
+            assert final[0].reason == "length", final[0]
+            assert final[0].output_tokens == sent.max_tokens, final[0]
+    # Most client hang-ups land mid-stream and end the request there.
+    assert aborted >= sum(s.abort for s in plan) // 2, aborted
 
     # Activity per worker stayed within its in-flight count plus the slack, and drained.
     assert observed.samples
