@@ -224,6 +224,31 @@ def is_reply_inbox(subject: str, allowed_prefixes: Sequence[str]) -> bool:
     return False
 
 
+async def finish_within(task: asyncio.Future[Any], timeout_s: float) -> Any:
+    """`task`'s result if it finishes within `timeout_s`, else TimeoutError (the task is
+    left running: `stop_task` ends it). Unlike `asyncio.wait_for`, this does not wait for
+    the task to honour its cancellation: nats-py's connect loop can swallow a cancel (its
+    `_close` catches CancelledError while it waits for its reconnect task), and a
+    `wait_for` around it then never returned (a bad-credentials test hung for 300 s)."""
+    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    if task not in done:
+        raise TimeoutError(f"not done within {timeout_s:g} s")
+    return task.result()
+
+
+async def stop_task(task: asyncio.Future[Any], grace_s: float) -> bool:
+    """Cancel `task` until it ends (a cancel it swallows is sent again every 50 ms), for at
+    most `grace_s`; True if it ended. Its outcome is retrieved, never raised."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace_s
+    while not task.done() and loop.time() < deadline:
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.05)
+    if task.done() and not task.cancelled():
+        task.exception()  # retrieved: no "exception was never retrieved" warning
+    return task.done()
+
+
 def check_identity(message: Message, subject: str, field_name: str | None) -> None:
     """Raise `Reject("identity_mismatch")` unless `message.<field_name>` is the last token
     of `subject` (the token the sender is permitted to publish on). None: no check."""
@@ -345,22 +370,23 @@ class Bus:
             log.info("nats client %s closed", name)
 
         options = {**_connect_options(settings, name), "no_echo": no_echo}
+        connecting = asyncio.ensure_future(
+            nc.connect(
+                **options,
+                error_cb=on_error,
+                disconnected_cb=on_disconnected,
+                reconnected_cb=on_reconnected,
+                closed_cb=on_closed,
+            )
+        )
         try:
             with _translated(f"connect to {redact_url(settings.nats_url)}"):
                 # nats-py retries the first connect like a reconnect (forever by default).
-                await asyncio.wait_for(
-                    nc.connect(
-                        **options,
-                        error_cb=on_error,
-                        disconnected_cb=on_disconnected,
-                        reconnected_cb=on_reconnected,
-                        closed_cb=on_closed,
-                    ),
-                    timeout=settings.startup_wait_s,
-                )
+                await finish_within(connecting, settings.startup_wait_s)
         except BaseException:
             # Bounded: a client stuck between failed attempts (bad credentials) can take
             # its time to close, and the caller is owed the original error now.
+            await stop_task(connecting, settings.connect_timeout_s)
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(nc.close(), timeout=settings.connect_timeout_s)
             raise

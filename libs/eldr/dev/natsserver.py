@@ -59,6 +59,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
+PORT_RETRIES = 3
+"""Fresh ports tried when a port chosen free was taken before the server bound it."""
+
+
 class EmbeddedNats:
     """A nats-server child process with JetStream on `host:port`.
 
@@ -131,14 +135,32 @@ class EmbeddedNats:
     # --- lifecycle -------------------------------------------------------------------
 
     def start(self) -> EmbeddedNats:
-        """Start the server and wait until it is healthy (JetStream included)."""
+        """Start the server and wait until it is healthy (JetStream included).
+
+        Ports this object chose itself (none given, first start) were free when chosen, but
+        another process may bind one before the server does (seen in CI: "bind: address
+        already in use"): the server is then started again on fresh ports, up to
+        `PORT_RETRIES` times. Given ports, and restarts, keep theirs."""
         if self.running:
             return self
+        choose_port, choose_monitor = self.port is None, self.monitor_port is None
+        for attempt in range(PORT_RETRIES + 1):
+            if choose_port:
+                self.port = free_port(self.host)
+            if choose_monitor:
+                self.monitor_port = free_port(self.host)
+            logged = self._log_size()
+            try:
+                return self._start_once()
+            except NatsServerError:
+                taken = "address already in use" in self._log_since(logged)
+                if not (taken and (choose_port or choose_monitor)) or attempt == PORT_RETRIES:
+                    raise
+                log.warning("nats-server could not bind its port (taken meanwhile); retrying")
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> EmbeddedNats:
         binary = self.binary or find_nats_server()
-        if self.port is None:
-            self.port = free_port(self.host)
-        if self.monitor_port is None:
-            self.monitor_port = free_port(self.host)
         self.store_dir.mkdir(parents=True, exist_ok=True)
         args = [str(binary)]
         if self.config_file is not None:
@@ -259,6 +281,19 @@ class EmbeddedNats:
                 log.warning("nats-server did not stop in %.1f s; killing it", self.stop_timeout_s)
                 process.kill()
                 process.wait()
+
+    def _log_size(self) -> int:
+        try:
+            return self.log_file.stat().st_size
+        except OSError:
+            return 0
+
+    def _log_since(self, offset: int) -> str:
+        """What the server logged after `offset` bytes (this start's lines)."""
+        with contextlib.suppress(OSError), self.log_file.open("rb") as f:
+            f.seek(offset)
+            return f.read(_LOG_TAIL_BYTES).decode("utf-8", errors="replace")
+        return ""
 
     def log_tail(self, max_bytes: int = _LOG_TAIL_BYTES) -> str:
         """The end of the server's log, for error messages."""
