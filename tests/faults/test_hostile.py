@@ -51,7 +51,6 @@ from eldr.wire import (
     BlockSummaryMsg,
     DeadLetter,
     Decision,
-    LoadReport,
     PartitionAnnouncement,
     PrefillDone,
     RefitReply,
@@ -60,6 +59,7 @@ from eldr.wire import (
     RouterControlReply,
     SparseCounts,
 )
+from support.workers import load_report
 
 from .harness import metric_sum, scrape, wait_until
 
@@ -192,20 +192,6 @@ async def bus(nats_server: EmbeddedNats) -> AsyncIterator[Bus]:
 
 
 # --- messages ------------------------------------------------------------------------------
-
-
-def load_report(worker: str, seq: int, running: int = 0) -> LoadReport:
-    return LoadReport(
-        worker_id=worker,
-        incarnation="inc",
-        seq=seq,
-        ts_s=time.time(),
-        running=running,
-        waiting=0,
-        kv_tokens=running * 100,
-        kv_capacity_tokens=100_000,
-        admitted=[],
-    )
 
 
 @asynccontextmanager

@@ -14,8 +14,7 @@ import aiohttp
 import numpy as np
 import pytest
 
-from eldr.bus import Bus, Delivery
-from eldr.bus.topology import DECISIONS
+from eldr.bus import Bus
 from eldr.core.routing.profile import EldrCostProfile
 from eldr.settings import BusSettings, RetentionSettings
 from eldr.wire import (
@@ -28,6 +27,7 @@ from eldr.wire import (
 from eldr_services.router.service import setup
 from eldr_services.router.settings import RouterSettings
 from support import messages
+from support.decisions import committed_decision
 from support.services import running_service
 from support.workers import reporting
 
@@ -135,21 +135,7 @@ async def route(bus: Bus, rid: str, experts: tuple[int, ...]) -> Decision:
             num_experts=E,
         ),
     )
-    got: list[Decision] = []
-    done = asyncio.Event()
-
-    async def on(msg: Decision, _: Delivery) -> None:
-        if msg.request_id == rid:
-            got.append(msg)
-            done.set()
-
-    stream = f"{bus.subjects.namespace.upper()}_{DECISIONS}"
-    replay = await bus.replay(stream, bus.subjects.decision(rid), Decision, on)
-    try:
-        await asyncio.wait_for(done.wait(), 20)
-    finally:
-        await replay.stop()
-    return got[0]
+    return await committed_decision(bus, rid)
 
 
 async def test_cost_aware_routing_follows_activity_and_forgets_finished_requests(

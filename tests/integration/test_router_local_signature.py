@@ -6,7 +6,6 @@ the prefill worker did not hold still goes to the service."""
 
 from __future__ import annotations
 
-import asyncio
 import re
 import socket
 import time
@@ -16,11 +15,11 @@ import numpy as np
 import pytest
 
 from eldr.bus import Bus, Delivery, Topology, apply_topology
-from eldr.bus.topology import DECISIONS
 from eldr.settings import BusSettings, RetentionSettings
-from eldr.wire import AssembleRequest, Decision, PrefillDone, SparseCounts
+from eldr.wire import AssembleRequest, PrefillDone, SparseCounts
 from eldr_services.router.service import setup
 from eldr_services.router.settings import RouterSettings
+from support.decisions import committed_decision
 from support.services import running_service
 from support.workers import reporting
 
@@ -44,23 +43,6 @@ async def metric(port: int, name: str) -> float:
         text = await response.text()
     found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
     return 0.0 if found is None else float(found.group(1))
-
-
-async def decision_of(bus: Bus, rid: str) -> Decision:
-    got: list[Decision] = []
-    done = asyncio.Event()
-
-    async def on(msg: Decision, _: Delivery) -> None:
-        got.append(msg)
-        done.set()
-
-    stream = f"{bus.subjects.namespace.upper()}_{DECISIONS}"
-    replay = await bus.replay(stream, bus.subjects.decision(rid), Decision, on)
-    try:
-        await asyncio.wait_for(done.wait(), 20)
-    finally:
-        await replay.stop()
-    return got[0]
 
 
 def event(rid: str, *, signature: np.ndarray | None, computed: np.ndarray | None) -> PrefillDone:
@@ -111,7 +93,7 @@ async def test_an_event_with_the_whole_signature_is_decided_without_the_service(
             await bus.js_publish(
                 bus.subjects.prefill_done("p0"), event("local", signature=whole, computed=None)
             )
-            local = await decision_of(bus, "local")
+            local = await committed_decision(bus, "local")
             assert asked == []
             assert await metric(port, f'{source}{{source="event"}}') == 1
             assert await metric(port, f'{source}{{source="service"}}') == 0
@@ -120,7 +102,7 @@ async def test_an_event_with_the_whole_signature_is_decided_without_the_service(
                 bus.subjects.prefill_done("p0"),
                 event("miss", signature=None, computed=np.ones((L, E), np.uint32)),
             )
-            miss = await decision_of(bus, "miss")
+            miss = await committed_decision(bus, "miss")
             assert [a.request_id for a in asked] == ["miss"]
             assert asked[0].block_hashes == [11, 12, 13]
             assert await metric(port, f'{source}{{source="service"}}') == 1

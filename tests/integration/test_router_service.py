@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 
 import numpy as np
 import pytest
@@ -20,7 +20,6 @@ from eldr.partitions.codec import blob_sha256, partition_to_blob
 from eldr.settings import BusSettings, RetentionSettings
 from eldr.wire import (
     Decision,
-    LoadReport,
     PartitionAnnouncement,
     PrefillDone,
     RouterControl,
@@ -30,6 +29,7 @@ from eldr.wire import (
 from eldr_services.router.service import setup
 from eldr_services.router.settings import RouterSettings
 from support.services import running_service
+from support.workers import reporting
 
 pytestmark = pytest.mark.integration
 
@@ -44,46 +44,8 @@ def router_settings(
     return RouterSettings(**base)
 
 
-@asynccontextmanager
-async def reporting(
-    bus: Bus, workers: dict[str, int], period_s: float = 0.2
-) -> AsyncIterator[None]:
-    """Decode-worker stand-ins: publish a LoadReport per worker every period, as workers do."""
-
-    async def loop() -> None:
-        seq = 0
-        while True:
-            seq += 1
-            for w, running in workers.items():
-                await report(bus, w, seq, running=running)
-            await asyncio.sleep(period_s)
-
-    task = asyncio.create_task(loop())
-    try:
-        yield
-    finally:
-        task.cancel()
-
-
 def running_router(settings: RouterSettings) -> AbstractAsyncContextManager[None]:
     return running_service("router", settings, setup)
-
-
-async def report(bus: Bus, worker: str, seq: int, running: int = 0, admitted=()) -> None:
-    await bus.publish(
-        bus.subjects.load(worker),
-        LoadReport(
-            worker_id=worker,
-            incarnation="inc",
-            seq=seq,
-            ts_s=time.time(),
-            running=running,
-            waiting=0,
-            kv_tokens=running * 100,
-            kv_capacity_tokens=100_000,
-            admitted=list(admitted),
-        ),
-    )
 
 
 def prefill_done(rid: str, reply_to: str | None = None, model: str = "m") -> PrefillDone:

@@ -231,28 +231,45 @@ async def install_partition(bus: Bus, traces: TraceSet, workers: list[str], seed
     return partition.k
 
 
-async def wait_routers_ready(bus: Bus, routers: int, decoders: int, timeout_s: float = 60) -> None:
+async def _until_routers(
+    bus: Bus,
+    control: RouterControl,
+    routers: int,
+    done: Callable[[RouterControlReply], bool],
+    timeout_s: float,
+    what: str,
+) -> None:
+    """Send `control` to every router replica every 0.2 s until all `routers` answer and
+    every answer satisfies `done`; TimeoutError naming `what` after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
-    query = RouterControl(policy=None, tau=None, load_measure=None)
     while True:
         replies = [
             r
             for r in await bus.request_many(
                 bus.subjects.control_router,
-                query,
+                control,
                 RouterControlReply,
                 timeout_s=1.0,
                 max_replies=routers,
             )
             if isinstance(r, RouterControlReply)
         ]
-        if len(replies) == routers and all(
-            r.partition_version == 1 and r.live_workers == decoders for r in replies
-        ):
+        if len(replies) == routers and all(done(r) for r in replies):
             return
         if time.monotonic() > deadline:
-            raise TimeoutError(f"routers not ready with partition 1 and all workers: {replies}")
+            raise TimeoutError(f"routers {what}: {replies}")
         await asyncio.sleep(0.2)
+
+
+async def wait_routers_ready(bus: Bus, routers: int, decoders: int, timeout_s: float = 60) -> None:
+    await _until_routers(
+        bus,
+        RouterControl(policy=None, tau=None, load_measure=None),
+        routers,
+        lambda r: r.partition_version == 1 and r.live_workers == decoders,
+        timeout_s,
+        "not ready with partition 1 and all workers",
+    )
 
 
 class _WallTicker:
@@ -318,25 +335,14 @@ class CpuMeter:
 
 async def switch_policy(bus: Bus, policy: str, routers: int, timeout_s: float = 10) -> None:
     """Every router replica routes with `policy` (its default parameters) from now on."""
-    control = RouterControl(profile=as_routing_profile(profile_type(policy)()))
-    deadline = time.monotonic() + timeout_s
-    while True:
-        replies = [
-            r
-            for r in await bus.request_many(
-                bus.subjects.control_router,
-                control,
-                RouterControlReply,
-                timeout_s=1.0,
-                max_replies=routers,
-            )
-            if isinstance(r, RouterControlReply)
-        ]
-        if len(replies) == routers and all(r.policy == policy for r in replies):
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"routers did not switch to {policy}: {replies}")
-        await asyncio.sleep(0.2)
+    await _until_routers(
+        bus,
+        RouterControl(profile=as_routing_profile(profile_type(policy)())),
+        routers,
+        lambda r: r.policy == policy,
+        timeout_s,
+        f"did not switch to {policy}",
+    )
 
 
 async def measure_rate(
