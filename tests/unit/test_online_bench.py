@@ -49,7 +49,7 @@ def traces():  # type: ignore[no-untyped-def]
 def test_drift_reports_every_policy_before_and_after_the_shift(traces) -> None:  # type: ignore[no-untyped-def]
     result = run_drift(traces, config())
     policies = {r["policy"] for r in result["rows"]}
-    assert {"eldr static", "eldr online", "eldr_cost", "round_robin"} <= policies
+    assert {"static partition", "online refit", "eldr_cost", "round_robin"} <= policies
     for row in result["rows"]:
         assert row["before"]["requests"] > 0
         assert row["after"]["requests"] > 0

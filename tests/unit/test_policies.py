@@ -8,17 +8,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from eldr.core.routing.policies import (
-    FleetView,
-    JoinShortestQueue,
-    LocalityBand,
-    PowerOfTwoChoices,
-    RandomChoice,
-    RoundRobin,
-    locality_band,
-    make_policy,
+from eldr.core.routing.pipeline import FleetView, make_policy
+from eldr.core.routing.profile import (
+    EldrProfile,
+    JsqProfile,
+    P2cProfile,
+    RandomProfile,
+    RoundRobinProfile,
+    profile_from_params,
 )
-from eldr.core.routing.profile import EldrProfile, profile_from_params
+from eldr.core.routing.stages import band as band_of
 
 scores_st = arrays(
     np.float64,
@@ -42,7 +41,7 @@ def view(n: int, loads: list[int] | None = None, scores: np.ndarray | None = Non
 def test_band_members_are_within_tau_of_the_best_or_the_widened_pair(
     scores: np.ndarray, tau: float
 ) -> None:
-    band = locality_band(scores, tau)
+    band = band_of(scores, np.arange(scores.size), tau, 2)[0]
     finite = np.isfinite(scores)
     if not finite.any():
         assert band.size == 0
@@ -61,7 +60,7 @@ def test_band_members_are_within_tau_of_the_best_or_the_widened_pair(
 
 @given(scores_st)
 def test_tau_zero_band_is_exactly_the_argmax_ties(scores: np.ndarray) -> None:
-    band = locality_band(scores, 0.0)
+    band = band_of(scores, np.arange(scores.size), 0.0, 2)[0]
     finite = np.isfinite(scores)
     if finite.any():
         assert set(band.tolist()) == set(np.flatnonzero(scores == scores[finite].max()).tolist())
@@ -82,9 +81,9 @@ def test_locality_band_picks_a_least_loaded_band_member(
     data: tuple[np.ndarray, np.ndarray], tau: float, seed: int
 ) -> None:
     scores, loads = data
-    policy = LocalityBand(EldrProfile(tau=tau))
+    policy = make_policy(EldrProfile(tau=tau))
     choice = policy.choose(view(scores.size, loads.tolist(), scores), np.random.default_rng(seed))
-    band = locality_band(scores, tau)
+    band = band_of(scores, np.arange(scores.size), tau, 2)[0]
     assert choice.index in band
     assert set(choice.band) == set(band.tolist())
     assert loads[choice.index] == loads[band].min()
@@ -92,14 +91,14 @@ def test_locality_band_picks_a_least_loaded_band_member(
 
 
 def test_locality_band_falls_back_to_jsq_without_scores() -> None:
-    choice = LocalityBand().choose(view(3, [5, 1, 4]), np.random.default_rng(0))
+    choice = make_policy(EldrProfile()).choose(view(3, [5, 1, 4]), np.random.default_rng(0))
     assert choice.index == 1
     assert choice.fallback == "no_signature"
 
 
 def test_locality_band_falls_back_when_no_worker_has_a_centroid() -> None:
     scores = np.full(3, -np.inf)
-    choice = LocalityBand().choose(view(3, [5, 4, 1], scores), np.random.default_rng(0))
+    choice = make_policy(EldrProfile()).choose(view(3, [5, 4, 1], scores), np.random.default_rng(0))
     assert choice.index == 2
     assert choice.fallback == "no_centroid"
 
@@ -112,13 +111,13 @@ def test_locality_band_uses_kv_tokens_when_asked() -> None:
         scores=np.array([0.9, 0.89]),
     )
     assert (
-        LocalityBand(EldrProfile(tau=0.1, load_measure="kv_tokens"))
+        make_policy(EldrProfile(tau=0.1, load_measure="kv_tokens"))
         .choose(v, np.random.default_rng(0))
         .index
         == 1
     )
     assert (
-        LocalityBand(EldrProfile(tau=0.1, load_measure="requests"))
+        make_policy(EldrProfile(tau=0.1, load_measure="requests"))
         .choose(v, np.random.default_rng(0))
         .index
         == 0
@@ -126,13 +125,13 @@ def test_locality_band_uses_kv_tokens_when_asked() -> None:
 
 
 def test_round_robin_cycles_in_order() -> None:
-    rr = RoundRobin()
+    rr = make_policy(RoundRobinProfile())
     picks = [rr.choose(view(3), np.random.default_rng(0)).index for _ in range(7)]
     assert picks == [0, 1, 2, 0, 1, 2, 0]
 
 
 def test_round_robin_survives_a_departed_worker() -> None:
-    rr = RoundRobin()
+    rr = make_policy(RoundRobinProfile())
     rng = np.random.default_rng(0)
     assert rr.choose(view(3), rng).index == 0
     smaller = FleetView(("w0", "w2"), np.zeros(2, np.int64), np.zeros(2, np.int64))
@@ -142,7 +141,7 @@ def test_round_robin_survives_a_departed_worker() -> None:
 
 def test_jsq_breaks_ties_with_the_rng_only() -> None:
     v = view(4, [2, 0, 0, 3])
-    picks = {JoinShortestQueue().choose(v, np.random.default_rng(s)).index for s in range(50)}
+    picks = {make_policy(JsqProfile()).choose(v, np.random.default_rng(s)).index for s in range(50)}
     assert picks == {1, 2}
 
 
@@ -150,14 +149,20 @@ def test_p2c_never_picks_the_more_loaded_of_its_pair() -> None:
     loads = [10, 0, 5, 7]
     v = view(4, loads)
     rng = np.random.default_rng(1)
-    picks = [PowerOfTwoChoices().choose(v, rng).index for _ in range(200)]
+    picks = [make_policy(P2cProfile()).choose(v, rng).index for _ in range(200)]
     assert 0 not in picks  # the most loaded worker loses every pair it is in
     assert set(picks) <= {1, 2, 3}
 
 
 def test_random_policy_is_deterministic_for_a_seed() -> None:
-    a = [RandomChoice().choose(view(5), np.random.default_rng(7)).index for _ in range(3)]
-    b = [RandomChoice().choose(view(5), np.random.default_rng(7)).index for _ in range(3)]
+    a = [
+        make_policy(RandomProfile()).choose(view(5), np.random.default_rng(7)).index
+        for _ in range(3)
+    ]
+    b = [
+        make_policy(RandomProfile()).choose(view(5), np.random.default_rng(7)).index
+        for _ in range(3)
+    ]
     assert a == b
 
 

@@ -9,14 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from eldr.core.routing.activity import ActivityTable, ActivityView, ExpertDemand, expert_demand
-from eldr.core.routing.policies import (
-    POLICIES,
-    BoundedBand,
-    FleetView,
-    LocalityBand,
-    MarginalUnion,
-    make_policy,
-)
+from eldr.core.routing.pipeline import FleetView, make_policy
 from eldr.core.routing.profile import (
     DEFAULT_PROFILE,
     PAPER_PROFILE,
@@ -66,31 +59,42 @@ def cost_view(
     )
 
 
-def test_the_default_policy_is_cost_aware_and_the_paper_rule_stays_selectable() -> None:
-    assert EldrCostProfile() == DEFAULT_PROFILE
-    assert isinstance(make_policy(DEFAULT_PROFILE), MarginalUnion)
+def test_the_default_reads_partition_and_activity_and_the_paper_rule_stays_selectable() -> None:
+    default = make_policy(DEFAULT_PROFILE)
+    assert (default.uses_signature, default.uses_activity, default.fleet_scale) == (
+        True,
+        True,
+        True,
+    )
     paper = make_policy(PAPER_PROFILE)
-    assert type(paper) is LocalityBand
     assert paper.profile == EldrProfile(tau=0.1)  # the paper's band width
+    assert (paper.uses_signature, paper.uses_activity) == (True, False)
 
 
-def test_every_profile_type_has_exactly_one_policy_class() -> None:
-    assert set(POLICIES) >= set(PROFILE_TYPES.values())
+def test_every_profile_type_runs_through_the_one_pipeline() -> None:
     for profile_type in PROFILE_TYPES.values():
         assert make_policy(profile_type()).profile == profile_type()
+
+
+def costs(view: FleetView) -> np.ndarray:
+    """The cost-aware rule's cost of every worker of `view` (what its picker compares)."""
+    choice = make_policy(EldrCostProfile()).choose(view, RNG)
+    assert choice.costs is not None
+    assert choice.scored == tuple(range(len(view.workers)))
+    return choice.costs
 
 
 def test_cost_aware_sends_a_request_where_its_experts_are_already_active() -> None:
     workers = ("w0", "w1")
     miss = activity_view({"w0": [(1,), (2,)], "w1": [(5,), (6,)]}, workers)
-    choice = MarginalUnion().choose(cost_view([2, 2], miss, demand(5)), RNG)
+    choice = make_policy(EldrCostProfile()).choose(cost_view([2, 2], miss, demand(5)), RNG)
     assert choice.index == 1
 
 
 def test_cost_aware_prefers_an_idle_worker_to_a_busy_one_with_other_experts() -> None:
     workers = ("w0", "w1")
     miss = activity_view({"w0": [(1,), (2,), (3,)]}, workers)
-    choice = MarginalUnion().choose(cost_view([3, 0], miss, demand(5)), RNG)
+    choice = make_policy(EldrCostProfile()).choose(cost_view([3, 0], miss, demand(5)), RNG)
     assert choice.index == 1
 
 
@@ -112,10 +116,10 @@ def test_cost_is_the_union_now_plus_what_every_request_pays_for_the_new_one(
     view = table.view(workers)
     req = expert_demand(request)
     if view is None:  # nothing held: no activity tracked yet
-        cost = MarginalUnion().costs(cost_view(loads.tolist(), None, req))
+        cost = costs(cost_view(loads.tolist(), None, req))
         np.testing.assert_allclose(cost, (loads + 1) * req.probability().sum(), rtol=1e-12)
         return
-    cost = MarginalUnion().costs(cost_view(loads.tolist(), view, req))
+    cost = costs(cost_view(loads.tolist(), view, req))
     miss, p = view.miss(), req.probability()
     for i in range(3):
         union = float((1.0 - miss[i]).sum())
@@ -124,29 +128,27 @@ def test_cost_is_the_union_now_plus_what_every_request_pays_for_the_new_one(
 
 
 def test_cost_aware_without_a_signature_falls_back_to_jsq() -> None:
-    choice = MarginalUnion().choose(cost_view([4, 1, 3], None, None), RNG)
+    choice = make_policy(EldrCostProfile()).choose(cost_view([4, 1, 3], None, None), RNG)
     assert (choice.index, choice.fallback) == (1, "no_signature")
 
 
 def test_cost_aware_without_activity_is_least_loaded() -> None:
-    choice = MarginalUnion().choose(cost_view([4, 2, 3], None, demand(1)), RNG)
+    choice = make_policy(EldrCostProfile()).choose(cost_view([4, 2, 3], None, demand(1)), RNG)
     assert choice.index == 1
 
 
 def test_a_locality_weight_adds_the_partition_score_as_a_bonus() -> None:
     view = cost_view([0, 0], None, demand(1), scores=np.array([0.1, 0.9]))
-    assert MarginalUnion(EldrCostProfile(locality_weight=0.0)).wants_scores is False
-    weighted = MarginalUnion(EldrCostProfile(locality_weight=5.0))
+    assert make_policy(EldrCostProfile(locality_weight=0.0)).wants_scores is False
+    weighted = make_policy(EldrCostProfile(locality_weight=5.0))
     assert weighted.wants_scores is True
     assert weighted.choose(view, RNG).index == 1
 
 
 def test_make_policy_reads_and_checks_extra_parameters() -> None:
     p = make_policy(profile_from_params("eldr_cost", {"locality_weight": 3.0, "top_k": 2}))
-    assert isinstance(p, MarginalUnion)
     assert p.profile == EldrCostProfile(locality_weight=3.0, top_k=2)
     b = make_policy(profile_from_params("eldr_bounded", {"slack": 0.5}))
-    assert isinstance(b, BoundedBand)
     assert b.profile == EldrBoundedProfile(slack=0.5)
     with pytest.raises(ValueError, match="takes no parameter slack"):
         profile_from_params("eldr", {"slack": 0.5})
@@ -168,14 +170,14 @@ def band_view(loads: list[int], scores: list[float], has: list[bool] | None = No
 def test_a_worker_without_a_centroid_joins_the_band_while_it_is_least_loaded() -> None:
     # w2 joined after the partition was fitted: no centroid, so no score.
     view = band_view([5, 6, 0], [0.9, 0.85, -np.inf], [True, True, False])
-    choice = LocalityBand(EldrProfile(tau=0.1)).choose(view, RNG)
+    choice = make_policy(EldrProfile(tau=0.1)).choose(view, RNG)
     assert choice.index == 2
     assert 2 in choice.band
 
 
 def test_a_worker_without_a_centroid_stays_out_once_it_is_as_loaded_as_the_band() -> None:
     view = band_view([5, 6, 5], [0.9, 0.85, -np.inf], [True, True, False])
-    choice = LocalityBand(EldrProfile(tau=0.1)).choose(view, RNG)
+    choice = make_policy(EldrProfile(tau=0.1)).choose(view, RNG)
     assert choice.index == 0
     assert 2 not in choice.band
 
@@ -183,9 +185,9 @@ def test_a_worker_without_a_centroid_stays_out_once_it_is_as_loaded_as_the_band(
 def test_the_bounded_band_skips_members_loaded_beyond_the_bound() -> None:
     # w0 is the best match but holds far more than the mean: its neighbour w1 takes it.
     view = band_view([30, 10, 10, 10], [0.95, 0.9, 0.2, 0.1])
-    assert LocalityBand(EldrProfile(tau=0.0, widen_to=1)).choose(view, RNG).index == 0
+    assert make_policy(EldrProfile(tau=0.0, widen_to=1)).choose(view, RNG).index == 0
     assert (
-        BoundedBand(EldrBoundedProfile(tau=0.0, widen_to=1, slack=0.1)).choose(view, RNG).index == 1
+        make_policy(EldrBoundedProfile(tau=0.0, widen_to=1, slack=0.1)).choose(view, RNG).index == 1
     )
 
 

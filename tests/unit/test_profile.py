@@ -12,6 +12,7 @@ from eldr.core.routing.profile import (
     PAPER_PROFILE,
     PROFILE_TYPES,
     ROUTER_POLICIES,
+    EldrBandCostProfile,
     EldrBoundedProfile,
     EldrCostProfile,
     EldrProfile,
@@ -39,6 +40,8 @@ def test_every_policy_has_one_profile_tagged_by_its_name() -> None:
         "eldr",
         "eldr_bounded",
         "eldr_cost",
+        "eldr_band_cost",
+        "pipeline",
         "oracle",
     ]
     for name, kind in PROFILE_TYPES.items():
@@ -47,14 +50,16 @@ def test_every_policy_has_one_profile_tagged_by_its_name() -> None:
     assert "oracle" not in ROUTER_POLICIES
 
 
-def test_the_band_rules_share_one_tau_default_and_the_default_is_cost_aware() -> None:
+def test_the_band_rules_share_one_tau_default_and_the_default_is_banded_cost() -> None:
     assert EldrProfile().tau == EldrBoundedProfile().tau == OracleProfile().tau == 0.1
-    assert (EldrCostProfile(), EldrProfile()) == (DEFAULT_PROFILE, PAPER_PROFILE)
+    assert EldrBandCostProfile().tau == 0.1
+    assert (EldrBandCostProfile(), EldrProfile()) == (DEFAULT_PROFILE, PAPER_PROFILE)
     assert (PAPER_PROFILE.band_tau, DEFAULT_PROFILE.band_tau, JsqProfile().band_tau) == (
         0.1,
-        None,
+        0.1,
         None,
     )
+    assert EldrCostProfile().band_tau is None
 
 
 def test_what_a_policy_reads_is_its_profiles_to_say() -> None:
@@ -64,6 +69,13 @@ def test_what_a_policy_reads_is_its_profiles_to_say() -> None:
     assert RoundRobinProfile().stateful
     assert OracleProfile().scores_decode
     assert EldrCostProfile(top_k=2, prior_tokens=3.0).demand_model == (2, 3.0)
+    default = EldrBandCostProfile()
+    assert (default.uses_signature, default.uses_activity, default.fleet_scale) == (
+        True,
+        True,
+        True,
+    )
+    assert not EldrProfile().fleet_scale
 
 
 @pytest.mark.parametrize(
@@ -134,7 +146,8 @@ def test_the_older_variables_patch_the_profile(monkeypatch: pytest.MonkeyPatch) 
 def test_an_older_variable_the_policy_does_not_take_is_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv("ELDR_TAU", "0.2")  # the default, eldr_cost, has no band
+    monkeypatch.setenv("ELDR_POLICY", "eldr_cost")
+    monkeypatch.setenv("ELDR_TAU", "0.2")  # eldr_cost has no band
     with pytest.raises(ValidationError, match="policy 'eldr_cost' takes no parameter tau"):
         RouterSettings()
 

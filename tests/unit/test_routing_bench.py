@@ -53,10 +53,10 @@ def test_bench_json_has_the_documented_shape() -> None:
         "random",
         "jsq",
         "p2c",
-        "eldr_cost",
+        "eldr_band_cost",
         "eldr",
         "decode_signature",
-        "offline_bound",
+        "reference",
     }
     for row in result["results"]:
         for key in (
@@ -76,7 +76,7 @@ def test_bench_json_has_the_documented_shape() -> None:
     summary = result["summary"]
     baselines = {"round_robin", "random", "jsq", "p2c"}
     assert summary["best_baseline"] in baselines
-    assert summary["default_policy"] == "eldr_cost"
+    assert summary["default_policy"] == "eldr_band_cost"
     assert isinstance(summary["default_meets_target"], bool)
     for key in (
         "default_vs_best_baseline_tpot_p50_pct",
@@ -87,7 +87,7 @@ def test_bench_json_has_the_documented_shape() -> None:
         "eldr_vs_best_baseline_tpot_p99_pct",
         "eldr_vs_best_baseline_union_pct",
         "decode_signature_vs_best_baseline_union_pct",
-        "offline_bound_vs_best_baseline_union_pct",
+        "reference_vs_best_baseline_union_pct",
     ):
         assert isinstance(summary[key], float)
     # One summary row per batch target; the top level is the highest unsaturated one.
@@ -96,15 +96,19 @@ def test_bench_json_has_the_documented_shape() -> None:
     for t in summary["by_target"]:
         for key in ("best_p50_baseline", "best_p99_baseline", "best_union_baseline"):
             assert t[key] in baselines
-        assert set(t["policies"]) == {"eldr_cost", "eldr", "decode_signature", "offline_bound"}
+        assert set(t["policies"]) == {"eldr_band_cost", "eldr", "decode_signature", "reference"}
         assert t["arrivals"]["pool_requests"] == result["input"]["evaluation_requests"]
-    assert set(result["input"]["offline_bound"]) == {str(r) for r in result["rates"]}
+        # Which policies got below the reference (a local search, not a bound) is reported.
+        assert isinstance(t["reference_beaten_by"], list)
+    assert set(result["input"]["reference"]) == {str(r) for r in result["rates"]}
+    for info in result["input"]["reference"].values():
+        assert info["starts"] == ["eldr_band_cost", "eldr", "decode_signature", "random rounds"]
 
 
 def test_variants_are_reported_beside_the_default_and_the_paper_rule() -> None:
     result = run_bench(small_traces(), small_config(variants=True, batch_targets=(2.0,)))
     variants = result["summary"]["variants_vs_best_baseline"]
-    assert set(variants) == {"eldr@kv_tokens", "eldr_bounded", "eldr_cost+partition"}
+    assert set(variants) == {"eldr_cost", "eldr@kv_tokens", "eldr_bounded", "eldr_cost+partition"}
     rows = {r["policy"]: r for r in result["results"]}
     assert rows["eldr@kv_tokens"]["params"]["load_measure"] == "kv_tokens"
     assert rows["eldr_cost+partition"]["params"]["locality_weight"] > 0
@@ -131,8 +135,8 @@ def test_each_metric_is_compared_with_the_baseline_best_at_it() -> None:
         _row("round_robin", 10.0, 12.0, 8.0),
         _row("random", 11.0, 11.0, 7.0),  # best P99 and best union, worst P50
         _row("jsq", 10.5, 11.5, 7.5),
-        _row("eldr_cost", 9.0, 11.0, 6.3),
-        _row("offline_bound", 9.0, 11.0, 5.6),
+        _row("eldr_band_cost", 9.0, 11.0, 6.3),
+        _row("reference", 9.0, 11.0, 5.6),
     ]
     s = summarize_rate(rows, "p")
     assert (s["best_p50_baseline"], s["best_p99_baseline"], s["best_union_baseline"]) == (
@@ -143,7 +147,10 @@ def test_each_metric_is_compared_with_the_baseline_best_at_it() -> None:
     assert s["default_vs_best_baseline_tpot_p50_pct"] == -10.0  # 9.0 against round_robin's 10.0
     assert s["default_vs_best_baseline_tpot_p99_pct"] == 0.0  # 11.0 against random's 11.0
     assert s["default_vs_best_baseline_union_pct"] == -10.0  # 6.3 against random's 7.0
-    assert s["default_share_of_offline_bound"] == 0.5  # (7.0 - 6.3) / (7.0 - 5.6)
+    assert s["default_share_of_reference"] == 0.5  # (7.0 - 6.3) / (7.0 - 5.6)
+    assert s["reference_beaten_by"] == []
+    s = summarize_rate([*rows[:3], _row("eldr_band_cost", 9.0, 11.0, 5.5), rows[4]], "p")
+    assert s["reference_beaten_by"] == ["eldr_band_cost"]
 
 
 def test_bench_is_deterministic_for_a_seed() -> None:

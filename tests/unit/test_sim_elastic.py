@@ -7,8 +7,8 @@ import pytest
 
 from eldr.core.costmodel import CostProfile, GpuProfile, ModelProfile
 from eldr.core.routing.activity import expert_demand
-from eldr.core.routing.policies import JoinShortestQueue, LocalityBand, MarginalUnion, RoundRobin
-from eldr.core.routing.profile import EldrProfile
+from eldr.core.routing.pipeline import make_policy
+from eldr.core.routing.profile import EldrCostProfile, EldrProfile, JsqProfile, RoundRobinProfile
 from eldr.sim.cluster import (
     FleetEvent,
     ScoreUpdate,
@@ -47,7 +47,7 @@ def run(policy, n_arr=400, slots=4, rate=400.0, **kw):  # type: ignore[no-untype
 
 
 def test_no_request_goes_to_a_worker_after_it_left_and_its_requests_finish() -> None:
-    res = run(JoinShortestQueue(), timeline=[FleetEvent(0.3, leave=(1,))])
+    res = run(make_policy(JsqProfile()), timeline=[FleetEvent(0.3, leave=(1,))])
     assert res.left_s == {1: pytest.approx(0.3)}
     late = res.assigned_s >= 0.3
     assert not np.any(res.worker_of[late] == 1)
@@ -56,7 +56,7 @@ def test_no_request_goes_to_a_worker_after_it_left_and_its_requests_finish() -> 
 
 
 def test_a_worker_that_joins_gets_requests_from_then_on() -> None:
-    res = run(JoinShortestQueue(), initial=(0, 1, 2), timeline=[FleetEvent(0.3, join=(3,))])
+    res = run(make_policy(JsqProfile()), initial=(0, 1, 2), timeline=[FleetEvent(0.3, join=(3,))])
     assert res.joined_s == {3: pytest.approx(0.3)}
     to_new = res.assigned_s[res.worker_of == 3]
     assert to_new.size > 0
@@ -64,14 +64,17 @@ def test_a_worker_that_joins_gets_requests_from_then_on() -> None:
 
 
 def test_round_robin_keeps_cycling_over_whoever_is_live() -> None:
-    res = run(RoundRobin(), timeline=[FleetEvent(0.2, leave=(0,)), FleetEvent(0.5, join=(0,))])
+    res = run(
+        make_policy(RoundRobinProfile()),
+        timeline=[FleetEvent(0.2, leave=(0,)), FleetEvent(0.5, join=(0,))],
+    )
     during = (res.assigned_s >= 0.2) & (res.assigned_s < 0.5)
     assert set(res.worker_of[during].tolist()) == {1, 2, 3}
 
 
 def test_a_fleet_event_naming_an_unknown_slot_is_refused() -> None:
     with pytest.raises(ValueError, match="outside"):
-        run(JoinShortestQueue(), timeline=[FleetEvent(0.1, join=(9,))])
+        run(make_policy(JsqProfile()), timeline=[FleetEvent(0.1, join=(9,))])
 
 
 class Swapper:
@@ -98,7 +101,7 @@ def test_a_controller_swaps_the_partition_mid_run() -> None:
     initial[:, 0] = 1.0
     swapper = Swapper(len(reqs))
     res = run(
-        LocalityBand(EldrProfile(tau=0.0)),
+        make_policy(EldrProfile(tau=0.0)),
         reqs=reqs,
         scores=initial,
         scores_version=1,
@@ -124,15 +127,15 @@ def test_a_cost_aware_policy_groups_requests_by_their_experts() -> None:
         counts = np.zeros((L, E))
         counts[:, i % E] = 5
         demands.append(expert_demand(counts))
-    cost = run(MarginalUnion(), reqs=reqs, slots=2, demands=demands)
-    jsq = run(JoinShortestQueue(), reqs=reqs, slots=2)
+    cost = run(make_policy(EldrCostProfile()), reqs=reqs, slots=2, demands=demands)
+    jsq = run(make_policy(JsqProfile()), reqs=reqs, slots=2)
     assert cost.expert_union_mean < jsq.expert_union_mean
     with pytest.raises(ValueError, match="needs demands"):
-        run(MarginalUnion(), reqs=reqs, slots=2)
+        run(make_policy(EldrCostProfile()), reqs=reqs, slots=2)
 
 
 def test_union_between_averages_the_steps_of_a_time_window() -> None:
-    res = run(JoinShortestQueue())
+    res = run(make_policy(JsqProfile()))
     whole = res.union_between(0.0, np.inf)
     assert whole == pytest.approx(res.expert_union_mean)
     assert np.isnan(res.union_between(-2.0, -1.0))

@@ -10,15 +10,14 @@ import pytest
 
 from eldr.core.costmodel import CostProfile, GpuProfile, ModelProfile
 from eldr.core.routing.activity import expert_demand
-from eldr.core.routing.policies import (
-    JoinShortestQueue,
-    LocalityBand,
-    MarginalUnion,
-    Policy,
-    PowerOfTwoChoices,
-    RoundRobin,
+from eldr.core.routing.pipeline import Policy, make_policy
+from eldr.core.routing.profile import (
+    EldrCostProfile,
+    EldrProfile,
+    JsqProfile,
+    P2cProfile,
+    RoundRobinProfile,
 )
-from eldr.core.routing.profile import JsqProfile
 from eldr.sim.cluster import SimConfig, SimRequest, SimResult, flatten_decode_ids, simulate
 from eldr.sim.information import LIVE_DEFAULTS, InformationModel, split_arrivals
 
@@ -99,12 +98,12 @@ def same(a: SimResult, b: SimResult) -> None:
 @pytest.mark.parametrize(
     "make",
     [
-        RoundRobin,
-        JoinShortestQueue,
-        PowerOfTwoChoices,
-        lambda: JoinShortestQueue(JsqProfile(load_measure="kv_tokens")),
-        LocalityBand,
-        MarginalUnion,
+        (lambda: make_policy(RoundRobinProfile())),
+        (lambda: make_policy(JsqProfile())),
+        (lambda: make_policy(P2cProfile())),
+        lambda: make_policy(JsqProfile(load_measure="kv_tokens")),
+        (lambda: make_policy(EldrProfile())),
+        (lambda: make_policy(EldrCostProfile())),
     ],
 )
 def test_with_every_delay_zero_it_is_the_perfect_information_simulation(
@@ -114,7 +113,14 @@ def test_with_every_delay_zero_it_is_the_perfect_information_simulation(
     same(run(make()), run(make(), InformationModel.perfect()))
 
 
-@pytest.mark.parametrize("make", [JoinShortestQueue, LocalityBand, MarginalUnion])
+@pytest.mark.parametrize(
+    "make",
+    [
+        (lambda: make_policy(JsqProfile())),
+        (lambda: make_policy(EldrProfile())),
+        (lambda: make_policy(EldrCostProfile())),
+    ],
+)
 def test_two_replicas_with_instant_information_decide_as_one(make: Callable[[], Policy]) -> None:
     perfect = run(make(), InformationModel.perfect(routers=2))
     same(run(make()), perfect)
@@ -123,7 +129,7 @@ def test_two_replicas_with_instant_information_decide_as_one(make: Callable[[], 
 
 
 def test_perfect_information_sees_the_true_load_and_activity() -> None:
-    res = run(MarginalUnion(), InformationModel.perfect())
+    res = run(make_policy(EldrCostProfile()), InformationModel.perfect())
     assert res.view_error.size == res.worker_of.size
     assert res.view_error.max() == 0.0
     assert res.activity_excess.tolist() == [0] * res.worker_of.size
@@ -140,7 +146,7 @@ def test_a_long_report_period_makes_the_load_stale_and_a_longer_one_staler() -> 
     errors = []
     for period in (0.02, 0.2, 1.0):
         model = replace(InformationModel.perfect(), report_interval_s=period)
-        errors.append(float(run(JoinShortestQueue(), model).view_error.mean()))
+        errors.append(float(run(make_policy(JsqProfile()), model).view_error.mean()))
     # Finished requests keep counting until the next report: the view over-counts.
     assert 0 < errors[0] < errors[1] < errors[2]
 
@@ -151,7 +157,11 @@ def test_own_decisions_count_at_once_so_a_burst_between_reports_is_spread() -> N
     model = replace(InformationModel.perfect(), report_interval_s=10.0)
     times = np.concatenate([[0.001], 0.2 + 1e-4 * np.arange(10)])
     res = run(
-        JoinShortestQueue(), model, workers=2, arrival_times_s=times, arrivals=np.zeros(11, int)
+        make_policy(JsqProfile()),
+        model,
+        workers=2,
+        arrival_times_s=times,
+        arrivals=np.zeros(11, int),
     )
     burst = res.worker_of[1:]
     assert abs(int((burst == 0).sum()) - int((burst == 1).sum())) <= 1
@@ -164,10 +174,12 @@ def test_a_burst_inside_the_commit_window_piles_onto_one_worker() -> None:
     model = replace(InformationModel.perfect(), report_interval_s=0.1, commit_s=0.05)
     times = np.concatenate([[0.001], 0.2 + 1e-4 * np.arange(10)])
     arrivals = np.zeros(11, int)
-    blind = run(JoinShortestQueue(), model, workers=2, arrival_times_s=times, arrivals=arrivals)
+    blind = run(
+        make_policy(JsqProfile()), model, workers=2, arrival_times_s=times, arrivals=arrivals
+    )
     first = int(blind.worker_of[0])
     assert blind.worker_of[1:].tolist() == [1 - first] * 10
-    perfect = run(JoinShortestQueue(), workers=2, arrival_times_s=times, arrivals=arrivals)
+    perfect = run(make_policy(JsqProfile()), workers=2, arrival_times_s=times, arrivals=arrivals)
     burst = perfect.worker_of[1:]
     assert abs(int((burst == 0).sum()) - int((burst == 1).sum())) <= 2
 
@@ -178,14 +190,14 @@ def test_replicas_do_not_see_each_others_decisions_before_they_propagate() -> No
     blind = replace(
         InformationModel.perfect(routers=2), report_interval_s=100.0, stale_after_s=100.0
     )
-    assert run(JoinShortestQueue(), blind).view_error.max() == 0.0
-    slow = run(JoinShortestQueue(), replace(blind, propagation_s=0.5))
+    assert run(make_policy(JsqProfile()), blind).view_error.max() == 0.0
+    slow = run(make_policy(JsqProfile()), replace(blind, propagation_s=0.5))
     assert slow.view_error.mean() > 0.5
 
 
 def test_late_finishes_leave_activity_entries_behind() -> None:
     late = replace(InformationModel.perfect(), finish_lag_s=0.2)
-    res = run(MarginalUnion(), late)
+    res = run(make_policy(EldrCostProfile()), late)
     assert res.activity_excess.mean() > 0
     # The router bounds each worker's entries by its in-flight count plus the slack.
     assert res.activity_excess.max() <= 4 * 4 + 4 * 4
@@ -193,17 +205,17 @@ def test_late_finishes_leave_activity_entries_behind() -> None:
 
 def test_tpot_counts_from_when_the_job_reaches_the_worker() -> None:
     model = replace(InformationModel.perfect(), dispatch_s=0.005)
-    res = run(JoinShortestQueue(), model)
+    res = run(make_policy(JsqProfile()), model)
     assert np.allclose(res.submitted_s - res.assigned_s, 0.005)
     assert np.all(res.tpot_s > 0)
 
 
 def test_given_arrival_times_are_used() -> None:
     times = np.linspace(0.0, 2.0, 400)
-    res = run(RoundRobin(), arrival_times_s=times)
+    res = run(make_policy(RoundRobinProfile()), arrival_times_s=times)
     assert np.allclose(res.assigned_s, times)
     with pytest.raises(ValueError, match="non-decreasing"):
-        run(RoundRobin(), arrival_times_s=times[::-1].copy())
+        run(make_policy(RoundRobinProfile()), arrival_times_s=times[::-1].copy())
 
 
 def test_arrivals_split_between_replicas() -> None:
@@ -214,7 +226,11 @@ def test_arrivals_split_between_replicas() -> None:
 
 
 def test_the_live_defaults_run_and_every_request_finishes() -> None:
-    for policy in (RoundRobin(), LocalityBand(), MarginalUnion()):
+    for policy in (
+        make_policy(RoundRobinProfile()),
+        make_policy(EldrProfile()),
+        make_policy(EldrCostProfile()),
+    ):
         res = run(policy, LIVE_DEFAULTS)
         assert np.isfinite(res.tpot_s).all()
         assert res.tpot_s.size == res.worker_of.size

@@ -159,9 +159,11 @@ def _register_bench(subparsers: Any) -> None:
         "the benchmark before issue 17), to compare",
     )
     p.add_argument(
+        "--no-reference",
         "--no-offline-bound",
+        dest="no_reference",
         action="store_true",
-        help="skip the offline reference (the local search over balanced assignments)",
+        help="skip the offline reference (a local search over assignments from several starts)",
     )
     p.add_argument(
         "--no-live-information",
@@ -225,7 +227,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         ),
         variants=args.variants,
         arrivals_apart=not args.with_replacement,
-        offline_bound=not args.no_offline_bound,
+        reference=not args.no_reference,
         information=(
             None
             if args.no_live_information
@@ -276,7 +278,7 @@ def _run_bench_seeds(
 def _run_online(args: argparse.Namespace) -> int:
     """`eldr bench --scenario drift|churn` (the steady bench's arguments apply)."""
     from eldr.bench.online_bench import OnlineConfig, format_report, run_churn, run_drift
-    from eldr.core.routing.profile import PAPER_PROFILE, profile_from_params
+    from eldr.core.routing.profile import DEFAULT_PROFILE, profile_from_params
 
     def with_tau(profile: ProfileBase, tau: float) -> ProfileBase:
         return profile_from_params(profile.name, {"tau": tau}, keep=profile)
@@ -284,7 +286,7 @@ def _run_online(args: argparse.Namespace) -> int:
     traces = _load_input(args)
     config = OnlineConfig(
         decoders=args.decoders,
-        locality=PAPER_PROFILE if args.tau is None else with_tau(PAPER_PROFILE, args.tau),
+        locality=DEFAULT_PROFILE if args.tau is None else with_tau(DEFAULT_PROFILE, args.tau),
         arrivals=args.arrivals or 6000,
         max_batch=args.max_batch,
         calibration_fraction=args.calibration_fraction,

@@ -44,11 +44,11 @@ from eldr.bench.routing_bench import (
 from eldr.core.costmodel import CostProfile
 from eldr.core.partition.partition import Partition, fit_partition
 from eldr.core.routing.online import DriftThresholds, partition_scores
-from eldr.core.routing.policies import make_policy
+from eldr.core.routing.pipeline import make_policy
 from eldr.core.routing.profile import (
     DEFAULT_PROFILE,
     LOAD_ONLY_PROFILES,
-    PAPER_PROFILE,
+    EldrCostProfile,
     ProfileBase,
 )
 from eldr.core.training.config import TrainerConfig
@@ -70,13 +70,23 @@ from eldr.sim.cluster import (
 log = logging.getLogger(__name__)
 
 MODEL = "bench"
+STATIC = "static partition"
+ONLINE = "online refit"
+REF_CAL = "reference (new subject, calibration split)"
+REF_POOL = "reference (new subject, replayed requests)"
+"""Rows of the locality profile (`OnlineConfig.locality`, the routers' default): with the
+first partition throughout, refitted online by the trainer's plan, and with partitions
+fitted for the new subject beforehand."""
+NO_PARTITION = EldrCostProfile()
+"""The row of a locality rule that needs no partition (the default before issue 21), for
+what the partition adds."""
 
 
 @dataclass(frozen=True)
 class OnlineConfig:
     decoders: int = 16
-    locality: ProfileBase = PAPER_PROFILE
-    """The band rule of the static, online and reference runs (the paper's by default); the
+    locality: ProfileBase = DEFAULT_PROFILE
+    """The profile of the static, online and reference runs (the routers' default); the
     online run's shadow gate routes with it too, as the trainer routes with the routers'."""
     batch_target: float = 32.0
     """Per-worker batch the arrival rate is derived for (Little's law, as `eldr bench`)."""
@@ -364,18 +374,14 @@ def run_drift(traces: TraceSet, config: OnlineConfig) -> dict[str, Any]:
     runs: dict[str, SimResult] = {}
     for baseline in LOAD_ONLY_PROFILES:
         runs[baseline.name] = _run(setup, config, baseline, arrivals, W)
-    runs[DEFAULT_PROFILE.name] = _run(setup, config, DEFAULT_PROFILE, arrivals, W)
-    runs["eldr static"] = _run(setup, config, config.locality, arrivals, W, partition=static)
+    runs[NO_PARTITION.name] = _run(setup, config, NO_PARTITION, arrivals, W)
+    runs[STATIC] = _run(setup, config, config.locality, arrivals, W, partition=static)
     refitter = OnlineRefitter(prepared, static, config, W)
-    runs["eldr online"] = _run(
+    runs[ONLINE] = _run(
         setup, config, config.locality, arrivals, W, partition=static, controller=refitter
     )
-    runs["eldr reference (new subject, calibration split)"] = _run(
-        setup, config, config.locality, arrivals, W, partition=ref_cal
-    )
-    runs["eldr reference (new subject, replayed requests)"] = _run(
-        setup, config, config.locality, arrivals, W, partition=ref_pool
-    )
+    runs[REF_CAL] = _run(setup, config, config.locality, arrivals, W, partition=ref_cal)
+    runs[REF_POOL] = _run(setup, config, config.locality, arrivals, W, partition=ref_pool)
     res0 = runs[BASELINES[0]]
     shift_s = float(res0.assigned_s[half])
     end_s = float(res0.assigned_s[-1])
@@ -399,18 +405,14 @@ def run_drift(traces: TraceSet, config: OnlineConfig) -> dict[str, Any]:
     for r in rows:
         r["gain_before_pct"] = _gain(r["before"]["union"], best_before["before"]["union"])
         r["gain_after_pct"] = _gain(r["after"]["union"], best_after["after"]["union"])
-    g_static = by["eldr static"]["gain_after_pct"]
-    g_online = by["eldr online"]["gain_after_pct"]
+    g_static = by[STATIC]["gain_after_pct"]
+    g_online = by[ONLINE]["gain_after_pct"]
     # What the static partition lost: its own gain before the shift (the issue's reading),
     # or what a partition fitted for the new subject gets after it (the references).
     reference_gain = {
-        "vs_static_before_shift": by["eldr static"]["gain_before_pct"],
-        "vs_calibration_reference": by["eldr reference (new subject, calibration split)"][
-            "gain_after_pct"
-        ],
-        "vs_replayed_reference": by["eldr reference (new subject, replayed requests)"][
-            "gain_after_pct"
-        ],
+        "vs_static_before_shift": by[STATIC]["gain_before_pct"],
+        "vs_calibration_reference": by[REF_CAL]["gain_after_pct"],
+        "vs_replayed_reference": by[REF_POOL]["gain_after_pct"],
     }
     recovered: dict[str, float | None] = {}
     for key, reference in reference_gain.items():
@@ -518,10 +520,10 @@ def run_churn(traces: TraceSet, config: OnlineConfig) -> dict[str, Any]:
         runs[baseline.name] = _run(
             setup, config, baseline, arrivals, slots, timeline=timeline, initial=initial
         )
-    runs[DEFAULT_PROFILE.name] = _run(
-        setup, config, DEFAULT_PROFILE, arrivals, slots, timeline=timeline, initial=initial
+    runs[NO_PARTITION.name] = _run(
+        setup, config, NO_PARTITION, arrivals, slots, timeline=timeline, initial=initial
     )
-    runs["eldr static"] = _run(
+    runs[STATIC] = _run(
         setup,
         config,
         config.locality,
@@ -532,7 +534,7 @@ def run_churn(traces: TraceSet, config: OnlineConfig) -> dict[str, Any]:
         initial=initial,
     )
     refitter = OnlineRefitter(prepared, partition, config, slots)
-    runs["eldr online"] = _run(
+    runs[ONLINE] = _run(
         setup,
         config,
         config.locality,

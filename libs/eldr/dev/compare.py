@@ -47,7 +47,7 @@ from eldr.core.costmodel import CostProfile
 from eldr.core.partition.partition import Partition
 from eldr.core.routing.activity import ExpertDemand
 from eldr.core.routing.decide import RouteRequest, request_demand
-from eldr.core.routing.policies import Choice, FleetView, Policy, make_policy
+from eldr.core.routing.pipeline import Choice, FleetView, Policy, make_policy
 from eldr.core.routing.profile import (
     DEFAULT_PROFILE,
     PAPER_PROFILE,
@@ -366,10 +366,8 @@ class LiveAssignmentsProfile(ProfileBase, frozen=True, tag="live_assignments"):
 class LiveAssignments(Policy):
     """Routes the i-th arrival to the worker the live router chose for it."""
 
-    profile_type = LiveAssignmentsProfile
-
     def __init__(self, workers: np.ndarray) -> None:
-        super().__init__(LiveAssignmentsProfile())
+        self.profile = LiveAssignmentsProfile()
         self._workers = np.asarray(workers, dtype=np.int64)
         self._next = 0
 

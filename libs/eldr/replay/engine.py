@@ -66,7 +66,7 @@ from eldr.core.routing.decide import (
     request_demand,
     route,
 )
-from eldr.core.routing.policies import Policy, make_policy
+from eldr.core.routing.pipeline import Policy, make_policy
 from eldr.core.routing.profile import (
     PROFILE_TYPES,
     ProfileBase,

@@ -24,7 +24,7 @@ import numpy as np
 
 from eldr.core.partition.partition import Partition
 from eldr.core.routing.decide import DecisionRng, decide_view
-from eldr.core.routing.policies import BandTrace, Choice, make_policy
+from eldr.core.routing.pipeline import BandTrace, Choice, make_policy
 from eldr.core.routing.profile import (
     EldrBoundedProfile,
     JsqProfile,

@@ -48,7 +48,7 @@ from eldr.core.costmodel import CostProfile
 from eldr.core.routing.activity import ActivityTable, ActivityView, ExpertDemand
 from eldr.core.routing.decide import decide_view
 from eldr.core.routing.loadtable import Report
-from eldr.core.routing.policies import Policy
+from eldr.core.routing.pipeline import Policy
 from eldr.sim.information import (
     InformationModel,
     RouterReplica,

@@ -46,7 +46,7 @@ import numpy as np
 from eldr.core.routing.activity import ExpertDemand
 from eldr.core.routing.decide import RouterCore
 from eldr.core.routing.loadtable import LoadTable, Report
-from eldr.core.routing.policies import Policy
+from eldr.core.routing.pipeline import Policy
 from eldr.core.routing.profile import RoundRobinProfile
 
 Split = Literal["random", "alternate"]

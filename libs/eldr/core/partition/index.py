@@ -11,6 +11,16 @@ The routing band rule keeps every worker whose score is within `tau` of the best
 top-k' search can cut that band short, so `scores(q, tau=...)` checks whether the k'-th
 retrieved similarity is still inside the band and, if it is, answers exactly instead.
 
+`nearest(q, k)` is the default routing profile's candidate stage: the k centroids most
+similar to q with their exact similarities, at a cost that does not grow with the number
+of centroids. The search runs in a reduced space (`reduced_dims` coordinates of an
+orthonormal basis of the centroids' span, their leading principal directions when there
+are more centroids than coordinates; lossless when there are fewer): hnswlib from
+`exact_threshold` centroids on, an exact product below it, retrieving 2k; the retrieved
+centroids are then scored exactly in the full space and the best k kept. With at most
+`reduced_dims` centroids the reduced space holds them exactly, so the search finds the
+true nearest; with more it can miss a near one (measured in tests/unit/test_index.py).
+
 An index is immutable once built: build a new one off the request path and swap the
 reference; queries on the old one stay valid meanwhile.
 """
@@ -60,6 +70,7 @@ class CentroidIndex:
         ef_construction: int = 200,
         random_seed: int = 100,
         num_threads: int = 1,
+        reduced_dims: int = 64,
     ) -> None:
         C = np.array(centroids, dtype=np.float32)
         if C.ndim != 2 or C.shape[0] < 1 or C.shape[1] < 1:
@@ -85,6 +96,8 @@ class CentroidIndex:
             raise ValueError(f"method must be 'auto', 'exact' or 'hnsw', got {method!r}")
         if k_retrieve < 1 or ef_search < 1 or hnsw_m < 2 or ef_construction < 1:
             raise ValueError("k_retrieve, ef_search, ef_construction must be >= 1, hnsw_m >= 2")
+        if reduced_dims < 1:
+            raise ValueError(f"reduced_dims must be >= 1, got {reduced_dims}")
 
         self._centroids = C
         self._owners = own
@@ -100,13 +113,18 @@ class CentroidIndex:
         self._owning_workers = np.flatnonzero(owned)
         self._segment_starts = (np.cumsum(owned) - owned)[self._owning_workers]
 
+        self._basis = _span_basis(C, reduced_dims, random_seed)
+        """float32 [d, r]: orthonormal columns spanning (or approximating) the centroids."""
+        self._reduced = np.ascontiguousarray(C @ self._basis)
+        """float32 [M, r]: the centroids in the reduced space."""
+        self._ef_search = ef_search
         self._hnsw: hnswlib.Index | None = None
         if self._method == "hnsw":
-            index = hnswlib.Index(space="ip", dim=C.shape[1])
+            index = hnswlib.Index(space="ip", dim=self._reduced.shape[1])
             index.init_index(
                 max_elements=m, ef_construction=ef_construction, M=hnsw_m, random_seed=random_seed
             )
-            index.add_items(C, np.arange(m), num_threads=num_threads)
+            index.add_items(self._reduced, np.arange(m), num_threads=num_threads)
             index.set_ef(max(ef_search, self._k_retrieve))
             self._hnsw = index
 
@@ -148,18 +166,65 @@ class CentroidIndex:
         """float32 [B, num_workers]: `scores` for each row of Q [B, d]."""
         return self._scores(self._as_queries(Q, single=False), tau)
 
+    @property
+    def reduced_dims(self) -> int:
+        """Coordinates of the reduced space the search runs in."""
+        return int(self._basis.shape[1])
+
+    def nearest(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(centroid ids, their exact cosine similarities to q): the k most similar
+        centroids (all of them when there are at most k), best first, ties by id.
+
+        Searched in the reduced space (2k retrieved: hnswlib from `exact_threshold`
+        centroids, else an exact product), then scored exactly; the work grows with k and
+        the reduced coordinates, not with the number of centroids."""
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        query = self._as_queries(q, single=True)[0]
+        m = self.num_centroids
+        if m <= k:
+            ids = np.arange(m)
+        else:
+            want = min(m, 2 * k)
+            reduced = query @ self._basis
+            if self._hnsw is not None:
+                self._hnsw.set_ef(max(self._ef_search, want))
+                labels, _ = self._hnsw.knn_query(reduced[None, :], k=want, num_threads=1)
+                ids = labels[0].astype(np.int64)
+            else:
+                coarse = self._reduced @ reduced
+                ids = np.argpartition(-coarse, want - 1)[:want]
+        sims = self._centroids[ids] @ query
+        order = np.lexsort((ids, -sims))[:k]
+        return ids[order].astype(np.int64), sims[order].astype(np.float32)
+
+    def nearest_workers(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(worker slots, their scores): the owners of the k centroids nearest q, each
+        scored by its best retrieved centroid, best first."""
+        ids, sims = self.nearest(q, k)
+        slots = self._owners[ids]
+        if self._identity:
+            return slots, sims
+        # Keep each worker's first (best) centroid.
+        _, first = np.unique(slots, return_index=True)
+        first.sort()
+        return slots[first], sims[first]
+
     def _scores(self, queries: np.ndarray, tau: float | None) -> np.ndarray:
         if tau is not None and not tau >= 0.0:
             raise ValueError(f"tau must be >= 0, got {tau}")
         if self._hnsw is None:
             return self._exact(queries)
-        labels, distances = self._hnsw.knn_query(
-            queries, k=self._k_retrieve, num_threads=self._num_threads
+        self._hnsw.set_ef(max(self._ef_search, self._k_retrieve))
+        labels, _ = self._hnsw.knn_query(
+            queries @ self._basis, k=self._k_retrieve, num_threads=self._num_threads
         )
-        sims = (1.0 - distances).astype(np.float32)
+        labels = labels.astype(np.int64)
+        # Retrieved in the reduced space, scored exactly.
+        sims = np.einsum("bd,bkd->bk", queries, self._centroids[labels]).astype(np.float32)
         out = np.full((queries.shape[0], self._num_workers), -np.inf, dtype=np.float32)
         rows = np.repeat(np.arange(queries.shape[0]), labels.shape[1])
-        np.maximum.at(out, (rows, self._owners[labels.ravel().astype(np.int64)]), sims.ravel())
+        np.maximum.at(out, (rows, self._owners[labels.ravel()]), sims.ravel())
         if tau is not None and self._k_retrieve < self.num_centroids:
             cut_short = sims.min(axis=1) >= sims.max(axis=1) - tau
             if cut_short.any():
@@ -210,3 +275,24 @@ class CentroidIndex:
             sims[:, self._order], self._segment_starts, axis=1
         )
         return out
+
+
+def _span_basis(centroids: np.ndarray, dims: int, seed: int) -> np.ndarray:
+    """float32 [d, r]: orthonormal columns spanning the rows of `centroids` [M, d] when
+    r = min(M, d) <= dims (exact), else approximating their leading `dims` principal
+    directions (a randomised range finder with two power iterations, seeded: the same
+    centroids always give the same basis)."""
+    m, d = centroids.shape
+    C = centroids.astype(np.float64)
+    if min(m, d) <= dims:
+        q, _ = np.linalg.qr(C.T)
+        return np.ascontiguousarray(q[:, : min(m, d)], dtype=np.float32)
+    rng = np.random.default_rng(seed)
+    sketch = C.T @ rng.standard_normal((m, dims + 8))
+    for _ in range(2):
+        sketch, _ = np.linalg.qr(sketch)
+        sketch = C.T @ (C @ sketch)
+    q, _ = np.linalg.qr(sketch)
+    # Rotate onto the principal directions within the sketch and keep the leading `dims`.
+    _, _, vt = np.linalg.svd(C @ q, full_matrices=False)
+    return np.ascontiguousarray(q @ vt.T[:, :dims], dtype=np.float32)

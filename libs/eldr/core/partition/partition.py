@@ -29,6 +29,17 @@ from eldr.core.signature.signature import (
 from eldr.core.workload.trace import ModelGeometry
 
 
+@dataclass(eq=False)
+class _Slotted:
+    """The last candidate tuple a partition slotted (`Partition.slots_of`): a router asks
+    about the same live workers decision after decision, and only a change of them costs a
+    pass over them."""
+
+    candidates: object = None
+    slots: np.ndarray | None = None
+    inverse: np.ndarray | None = None
+
+
 @dataclass(frozen=True, eq=False)
 class Partition:
     """A partition version: calibration, centroids, and which worker owns each centroid.
@@ -48,6 +59,7 @@ class Partition:
     index_method: str = "auto"
     _index: CentroidIndex = field(init=False, repr=False)
     _slot: dict[str, int] = field(init=False, repr=False)
+    _slotted: _Slotted = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         centroids = np.ascontiguousarray(self.centroids, dtype=np.float32)
@@ -75,6 +87,7 @@ class Partition:
             ),
         )
         object.__setattr__(self, "_slot", {w: i for i, w in enumerate(self.workers)})
+        object.__setattr__(self, "_slotted", _Slotted())
 
     @property
     def k(self) -> int:
@@ -99,17 +112,65 @@ class Partition:
             return np.full(self.k, -np.inf, dtype=np.float32)
         return self._index.scores(sig, tau=tau)
 
+    @property
+    def index(self) -> CentroidIndex:
+        """The centroid index the router searches."""
+        return self._index
+
+    def slots_of(self, candidates: Sequence[str]) -> np.ndarray:
+        """int64 [len(candidates)]: each candidate's worker slot in this partition, -1 for
+        workers it has no centroid for. Cached for the last tuple asked about (by identity),
+        so a router that keeps its live-worker tuple pays the lookup once per change."""
+        cached = self._slotted
+        if cached.candidates is candidates and cached.slots is not None:
+            return cached.slots
+        slots = np.fromiter(
+            (self._slot.get(w, -1) for w in candidates), dtype=np.int64, count=len(candidates)
+        )
+        if isinstance(candidates, tuple):
+            cached.candidates, cached.slots, cached.inverse = candidates, slots, None
+        return slots
+
     def scores_for(
         self, counts: np.ndarray, candidates: Sequence[str], tau: float | None = None
     ) -> np.ndarray:
         """Scores of `candidates` (live workers); -inf for workers not in this partition."""
         scores = self.worker_scores(counts, tau=tau)
+        slots = self.slots_of(candidates)
+        owned = slots >= 0
         out = np.full(len(candidates), -np.inf, dtype=np.float32)
-        for i, w in enumerate(candidates):
-            slot = self._slot.get(w)
-            if slot is not None:
-                out[i] = scores[slot]
+        out[owned] = scores[slots[owned]]
         return out
+
+    def nearest_for(self, counts: np.ndarray, candidates: Sequence[str], k: int) -> np.ndarray:
+        """Scores of `candidates` (live workers) for the owners of the `k` centroids nearest
+        the request (`CentroidIndex.nearest`), -inf for every other worker: the work grows
+        with k, not with the partition or the fleet (one pass over the candidate slots in
+        numpy aside). A zero signature scores -inf everywhere."""
+        out = np.full(len(candidates), -np.inf, dtype=np.float32)
+        sig = self.signature(counts)
+        if not np.any(sig):
+            return out
+        slots, sims = self._index.nearest_workers(sig, k)
+        inverse = self._inverse(candidates)
+        at = inverse[slots]
+        live = at >= 0
+        out[at[live]] = sims[live]
+        return out
+
+    def _inverse(self, candidates: Sequence[str]) -> np.ndarray:
+        """int64 [k workers]: the position of each partition worker among `candidates`
+        (-1: not there); cached with `slots_of`."""
+        slots = self.slots_of(candidates)
+        cached = self._slotted
+        if cached.slots is slots and cached.inverse is not None:
+            return cached.inverse
+        inverse = np.full(self.k, -1, dtype=np.int64)
+        owned = slots >= 0
+        inverse[slots[owned]] = np.flatnonzero(owned)
+        if cached.slots is slots:
+            cached.inverse = inverse
+        return inverse
 
 
 BEST_SIMILARITY_METRIC = "drift_best_similarity"

@@ -3,7 +3,7 @@
 The cost model says a decode step streams every distinct (MoE layer, expert) that any
 token of the batch routes to. A router that knows, per worker, how likely each expert is
 to be active in the next step can predict what one more request would add to that
-worker's expert union, and so to its step time (`eldr.core.routing.policies.MarginalUnion`).
+worker's expert union, and so to its step time (`eldr.core.routing.pipeline.MarginalUnion`).
 
 Two pieces, both pure:
 
@@ -348,13 +348,17 @@ class ActivityView:
         if self._table._view_generation != self._generation:
             raise RuntimeError("an activity view was used after a later one was taken")
 
-    def marginal(self, demand: ExpertDemand) -> tuple[np.ndarray, np.ndarray]:
-        """(U, dU), float64 [workers] each: each worker's expected expert union per step
-        (summed over MoE layers) and what `demand`'s request would add to it.
+    def marginal(
+        self, demand: ExpertDemand, columns: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(U, dU), float64 [workers] each (or [len(columns)], for those of the view's
+        workers only): each worker's expected expert union per step (summed over MoE
+        layers) and what `demand`'s request would add to it.
 
         dU_i = sum over cells of P_i(idle) x p = sum_l p_base[l] x (expected idle experts
         of layer l) + sum over the request's cells of P_i(idle) x p_excess: the dense
-        product over L x E cells, read at the request's non-zero cells only.
+        product over L x E cells, read at the request's non-zero cells (and the given
+        workers) only.
         """
         self._check()
         if (demand.num_moe_layers, demand.num_experts) != self.shape:
@@ -362,6 +366,12 @@ class ActivityView:
                 f"a {demand.num_moe_layers} x {demand.num_experts} demand against a "
                 f"{self.shape[0]} x {self.shape[1]} activity table"
             )
+        if columns is not None:
+            at = self._idle[demand.idx[:, None], columns]
+            at *= self._factor[demand.layer_of[:, None], columns]
+            added = demand.p_excess @ at
+            added += demand.p_base @ self._layer_idle[:, columns]
+            return self._union[columns], added
         at = self._idle.take(demand.idx, axis=0)
         at *= self._factor.take(demand.layer_of, axis=0)
         added = demand.p_excess @ at
@@ -373,6 +383,37 @@ class ActivityView:
         self._check()
         miss = self._idle * np.repeat(self._factor, self.shape[1], axis=0)
         return np.ascontiguousarray(miss.T)
+
+
+class RecordedActivity:
+    """The activity terms a decision recorded, per worker of a replayed view: (U, dU) of the
+    workers the decision scored (NaN for the others), read back by the marginal-union
+    scorer in place of the activity table the router held (`ActivityView.marginal`)."""
+
+    __slots__ = ("added", "shape", "union")
+
+    def __init__(self, shape: tuple[int, int], union: np.ndarray, added: np.ndarray) -> None:
+        if union.shape != added.shape or union.ndim != 1:
+            raise ValueError(f"{union.shape} unions for {added.shape} additions")
+        self.shape = shape
+        self.union = np.asarray(union, dtype=np.float64)
+        self.added = np.asarray(added, dtype=np.float64)
+
+    def __len__(self) -> int:
+        return int(self.union.shape[0])
+
+    def marginal(
+        self, demand: ExpertDemand, columns: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The recorded (U, dU) of `columns` (all workers when None); ValueError if one of
+        them was not recorded."""
+        if columns is None:
+            union, added = self.union.copy(), self.added.copy()
+        else:
+            union, added = self.union[columns], self.added[columns]
+        if np.isnan(union).any() or np.isnan(added).any():
+            raise ValueError("the record holds no activity terms for a worker it scores")
+        return union, added
 
 
 MAX_CELL_LISTS = 8
@@ -599,7 +640,11 @@ class ActivityTable:
         layers, experts = self._shape
         key = tuple(workers)
         arrays = self._view_arrays
-        if arrays is None or key != self._view_workers or arrays[0].shape[0] != layers * experts:
+        if (
+            arrays is None
+            or (key is not self._view_workers and key != self._view_workers)
+            or arrays[0].shape[0] != layers * experts
+        ):
             n = len(key)
             arrays = (
                 np.ones((layers * experts, n), dtype=np.float64),

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -54,17 +55,12 @@ from eldr.core.routing.activity import (
     ActivityTable,
     ActivityView,
     ExpertDemand,
+    RecordedActivity,
     request_expert_demand,
 )
 from eldr.core.routing.loadtable import LoadTable
-from eldr.core.routing.policies import (
-    Choice,
-    FleetView,
-    JoinShortestQueue,
-    Policy,
-    make_policy,
-)
-from eldr.core.routing.profile import LOAD_MEASURES, JsqProfile, LoadMeasure, ProfileBase
+from eldr.core.routing.pipeline import Choice, FleetView, PipelinePolicy, Policy, make_policy
+from eldr.core.routing.profile import LoadMeasure, ProfileBase
 
 FALLBACK_REASONS = (
     "no_partition",
@@ -97,9 +93,6 @@ SEED_LIMIT = 1 << 63
 DEMAND_CACHE = 4096
 """Most demands kept between a decision and the note of its assignment."""
 
-_JSQ = {m: JoinShortestQueue(JsqProfile(load_measure=m)) for m in LOAD_MEASURES}
-"""The load-only fallback, per load measure (stateless, so shared)."""
-
 
 class NoLiveWorkersError(RuntimeError):
     """No decode worker is live: the request must wait (it is retried, never dropped)."""
@@ -119,6 +112,19 @@ class RouteRequest:
     counts: np.ndarray | None = None
     missing_blocks: int = 0
     signature_error: str | None = None
+
+
+class Considered(NamedTuple):
+    """What a decision read of one candidate: its loads, its partition score (None: no
+    centroid) and, for the candidates that reached the marginal-union scorer, its predicted
+    expert union per step (U) and what the request adds to it (dU)."""
+
+    worker: str
+    in_flight: int
+    kv_tokens: int
+    score: float | None = None
+    union: float | None = None
+    added: float | None = None
 
 
 @dataclass(frozen=True)
@@ -141,6 +147,16 @@ class RouteOutcome:
     """What the policy (or the load-only fallback) computed, indices into the live
     workers (`fleet` order): the band and how the band rule built it, the workers tied
     for the least load, the cost-aware policy's costs. `eldr explain` reports it."""
+    considered: tuple[Considered, ...] = ()
+    """What the decision read of each candidate, in live-worker order, where the fleet
+    and the partition do not say it all: the candidates of a fleet-scale profile (whose
+    decision reads no other worker, so `fleet` and `loads` are empty) and the activity
+    terms of the marginal-union scorer. A replay re-runs the stages on exactly these."""
+    live_workers: int = 0
+    """Live workers when the decision was made (with `considered` and no `fleet`)."""
+    fleet_totals: tuple[int, int] = (0, 0)
+    """(in-flight requests, KV tokens) summed over the live fleet: its means are what a
+    load ceiling compares a candidate with (with `considered` and no `fleet`)."""
 
     @property
     def policy(self) -> str:
@@ -191,10 +207,16 @@ class DecisionRng:
 
 
 def locality_scores(
-    partition: Partition | None, req: RouteRequest, live: tuple[str, ...], tau: float | None
+    partition: Partition | None,
+    req: RouteRequest,
+    live: tuple[str, ...],
+    tau: float | None,
+    nearest: int | None = None,
 ) -> tuple[np.ndarray | None, str | None]:
     """Locality scores of the live workers, or the reason there are none (`tau`: the band
-    an approximate centroid index must keep exact; None: no band)."""
+    an approximate centroid index must keep exact; None: no band). `nearest`: score only the
+    owners of that many centroids nearest the request (the index's search; every other
+    worker -inf), for profiles whose candidates are those (`NearestCentroids`)."""
     if partition is None:
         return None, "no_partition"
     if partition.model != req.model:
@@ -206,7 +228,10 @@ def locality_scores(
         return None, "geometry_mismatch"
     if not np.any(req.counts):
         return None, "empty_signature"
-    scores = partition.scores_for(req.counts, live, tau=tau)
+    if nearest is not None:
+        scores = partition.nearest_for(req.counts, live, nearest)
+    else:
+        scores = partition.scores_for(req.counts, live, tau=tau)
     if not np.isfinite(scores).any():
         return None, "no_live_worker_in_partition"
     return scores, None
@@ -226,7 +251,7 @@ def has_centroid(partition: Partition | None, workers: tuple[str, ...]) -> np.nd
     """Which of `workers` own a centroid in `partition` (None: no partition, or all do)."""
     if partition is None:
         return None
-    mask = np.array([partition.owns(w) for w in workers], dtype=bool)
+    mask = partition.slots_of(workers) >= 0
     return None if mask.all() else mask
 
 
@@ -239,9 +264,10 @@ def decide_view(
     rng: np.random.Generator,
     scores: np.ndarray | None = None,
     has_centroid: np.ndarray | None = None,
-    expert_miss: ActivityView | None = None,
+    expert_miss: ActivityView | RecordedActivity | None = None,
     demand: ExpertDemand | None = None,
     fallback: str | None = None,
+    mean_loads: tuple[float, float] | None = None,
 ) -> Decided:
     """The one assembly of a decision around `Policy.choose`: build the fleet view, pick
     the policy or its load-only fallback, choose. The router (`route`), the simulator,
@@ -255,10 +281,6 @@ def decide_view(
     activity (a table of another geometry is ignored). fallback: a reason the
     caller already knows (the signature's, the partition's); else the policy's own.
     """
-    chooser = policy
-    if policy.uses_signature and scores is None:
-        chooser = _JSQ[policy.profile.measure]
-        fallback = fallback or "no_signature"
     if demand is None or (
         expert_miss is not None and expert_miss.shape != (demand.num_moe_layers, demand.num_experts)
     ):
@@ -271,8 +293,9 @@ def decide_view(
         has_centroid=None if scores is None else has_centroid,
         expert_miss=expert_miss,
         demand=demand,
+        mean_loads=mean_loads,
     )
-    choice = chooser.choose(view, rng)
+    choice = policy.choose(view, rng)
     return Decided(view, choice, fallback or choice.fallback)
 
 
@@ -287,8 +310,10 @@ def route(
     rng: np.random.Generator,
     rng_seed: int | None = None,
     max_scores: int = 8,
-    expert_miss: ActivityView | None = None,
+    expert_miss: ActivityView | RecordedActivity | None = None,
     demand: ExpertDemand | None = None,
+    scores: np.ndarray | None = None,
+    mean_loads: tuple[float, float] | None = None,
 ) -> RouteOutcome:
     """The decision for `req` given the router's inputs (pure apart from `policy`'s own
     state, the round-robin cursor).
@@ -296,21 +321,25 @@ def route(
     workers: the live workers (non-empty); in_flight / kv_tokens: their loads, aligned.
     The policy's profile says everything else: whether to score the request against the
     partition (its band width goes to the centroid index, which may skip workers
-    certainly outside the band), its load measure, its demand model. A locality policy
+    certainly outside the band; a fleet-scale profile scores only the owners of the
+    centroids nearest the request), its load measure, its demand model. A locality policy
     that cannot score the request routes with JSQ on its load measure and says why in
     `fallback`. expert_miss: for policies that use worker activity,
     `ActivityTable.view(workers)` at decision time (None: not tracked); demand:
-    `request_demand(policy.profile, req)` if the caller has it already.
+    `request_demand(policy.profile, req)` if the caller has it already. scores and
+    mean_loads: what a replay of a recorded decision gives instead of the partition and
+    the whole fleet (the record's candidates and the fleet's means).
     """
     profile = policy.profile
-    scores: np.ndarray | None = None
+    fleet_scale = isinstance(policy, PipelinePolicy) and policy.fleet_scale
     fallback: str | None = None
-    if profile.wants_scores:
-        scores, reason = locality_scores(partition, req, workers, profile.band_tau)
-        if profile.uses_signature and scores is None:
+    if scores is None and policy.wants_scores:
+        k = profile.pipeline.candidates.k if fleet_scale else None  # type: ignore[union-attr]
+        scores, reason = locality_scores(partition, req, workers, profile.band_tau, k)
+        if policy.uses_signature and scores is None:
             fallback = reason
     activation: ExpertDemand | None = None
-    if profile.uses_activity:
+    if policy.uses_activity:
         expert = demand if demand is not None else request_demand(profile, req)
         if expert is None:
             fallback = req.signature_error or (
@@ -329,29 +358,68 @@ def route(
         expert_miss=expert_miss,
         demand=activation,
         fallback=fallback,
+        mean_loads=mean_loads,
     )
     choice = decided.choice
-    load = decided.view.load(profile.measure)
     ranked: tuple[tuple[str, float], ...] = ()
     if scores is not None:
         finite = np.flatnonzero(np.isfinite(scores))
         order = finite[np.argsort(-scores[finite], kind="stable")][:max_scores]
         ranked = tuple((workers[i], float(scores[i])) for i in order)
+    considered: tuple[Considered, ...] = ()
+    whole_fleet = not (fleet_scale and choice.candidates)
+    if choice.candidates and (fleet_scale or policy.uses_activity):
+        considered = _considered(choice, workers, in_flight, kv_tokens, scores)
+    if whole_fleet:
+        load = decided.view.load(profile.measure)
+        # tolist() and zip: Python numbers without a generator per worker (~10 us less).
+        loads = tuple(zip(workers, map(float, load.tolist()), strict=True))
+        fleet = tuple(zip(workers, in_flight.tolist(), kv_tokens.tolist(), strict=True))
+        totals = (0, 0)
+    else:
+        loads, fleet = (), ()
+        totals = (int(in_flight.sum()), int(kv_tokens.sum()))
     return RouteOutcome(
         worker_id=workers[choice.index],
         profile=profile,
         partition_version=(
-            partition.version if partition is not None and profile.wants_scores else None
+            partition.version if partition is not None and policy.wants_scores else None
         ),
         fallback=decided.fallback,
         scores=ranked,
         band=tuple(workers[i] for i in choice.band),
-        # tolist() and zip: Python numbers without a generator per worker (~10 us less).
-        loads=tuple(zip(workers, map(float, load.tolist()), strict=True)),
-        fleet=tuple(zip(workers, in_flight.tolist(), kv_tokens.tolist(), strict=True)),
+        loads=loads,
+        fleet=fleet,
         rng_seed=rng_seed,
         choice=choice,
+        considered=considered,
+        live_workers=len(workers) if considered and not whole_fleet else 0,
+        fleet_totals=totals,
     )
+
+
+def _considered(
+    choice: Choice,
+    workers: tuple[str, ...],
+    in_flight: np.ndarray,
+    kv_tokens: np.ndarray,
+    scores: np.ndarray | None,
+) -> tuple[Considered, ...]:
+    """The candidates' rows of a decision, in live-worker order."""
+    terms: dict[int, tuple[float, float]] = {}
+    if choice.activity is not None:
+        union, added = choice.activity
+        terms = dict(
+            zip(choice.scored, zip(union.tolist(), added.tolist(), strict=True), strict=True)
+        )
+    rows = []
+    for i in choice.candidates:
+        score = None
+        if scores is not None and np.isfinite(scores[i]):
+            score = float(scores[i])
+        u, a = terms.get(i, (None, None))
+        rows.append(Considered(workers[i], int(in_flight[i]), int(kv_tokens[i]), score, u, a))
+    return tuple(rows)
 
 
 class RouterCore:

@@ -49,7 +49,7 @@ from eldr.core.partition.partition import (
 )
 from eldr.core.routing.activity import ActivityTable, expected_union, expert_demand
 from eldr.core.routing.decide import SEED_LIMIT, DecisionRng, RouteRequest, request_demand, route
-from eldr.core.routing.policies import make_policy
+from eldr.core.routing.pipeline import make_policy
 from eldr.core.routing.profile import ProfileBase
 
 __all__ = [

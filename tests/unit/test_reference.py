@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eldr.bench.offline_bound import LockstepModel
+from eldr.bench.reference import LockstepModel
 
 
 def brute_force_loads(model: LockstepModel, decode: list[np.ndarray], asg: np.ndarray) -> int:
