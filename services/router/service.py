@@ -56,6 +56,7 @@ from eldr.wire import (
     WireError,
 )
 from eldr.wire.messages import NO_WORKER
+from eldr.wire.records import decision_record
 
 from .load_metrics import LoadTableCollector
 from .metrics import RouterMetrics
@@ -507,24 +508,15 @@ class RouterService:
         if outcome is None or expired(msg, time.time()):
             await self._expire(msg, subject, taken)
             return
-        decision = Decision(
+        decision = decision_record(
+            outcome,
             request_id=msg.request_id,
             ts_s=time.time(),
             router_id=self.settings.instance_id,
             model=msg.model,
-            worker_id=outcome.worker_id,
-            policy=outcome.policy,
-            profile=as_routing_profile(outcome.profile),
-            partition_version=outcome.partition_version,
-            fallback=outcome.fallback,
-            scores=list(outcome.scores),
-            band=list(outcome.band),
-            loads=list(outcome.loads),
             signature=recorded_signature(msg, counts),
             missing_blocks=missing,
             decide_s=time.perf_counter() - taken,
-            rng_seed=outcome.rng_seed,
-            fleet=list(outcome.fleet),
             prompt_tokens=msg.n_prompt_tokens,
         )
         # Counted now, before the commit's ack: decisions overlapping this one's commit see

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from eldr.core.partition.partition import Partition
 from eldr.core.routing.decide import DecisionRng, RouterCore, RouteRequest
 from eldr.core.routing.loadtable import LoadTable, Report
-from eldr.core.routing.profile import as_routing_profile, params_taken, profile_from_params
+from eldr.core.routing.profile import params_taken, profile_from_params
 from eldr.core.signature.signature import Calibration
 from eldr.data.profiles import load_catalog
 from eldr.partitions.codec import partition_to_blob
@@ -38,6 +38,7 @@ from eldr.wire import (
     RequestFinished,
     SparseCounts,
 )
+from eldr.wire.records import decision_record
 
 L, E = 2, 8
 T0 = 1_700_000_000.0
@@ -67,33 +68,37 @@ def record(
     router_id: str = "r1",
     rng_seed: bool = True,
     typed: bool = True,
+    version: int = 4,
 ) -> Decision:
-    """What the router service commits for a decision (services/router/service.py);
-    `typed` False: as routers before Decision v3 wrote it (untyped `params`)."""
+    """What the router service commits for a decision (`decision_record`); `version` 3: as
+    routers wrote it before Decision v4 (the fleet and the policy's loads, no candidates);
+    `typed` False: before v3 (untyped `params`)."""
     out = core.decide(req, 0.0)
-    profile = {"profile": as_routing_profile(out.profile)} if typed else {}
-    return Decision(
+    current = decision_record(
+        out,
         request_id=req.request_id,
         ts_s=ts_s,
         router_id=router_id,
         model=req.model,
-        worker_id=out.worker_id,
-        policy=out.policy,
-        params={} if typed else out.profile.params(),
-        **profile,  # type: ignore[arg-type]
-        v=3 if typed else 2,
-        partition_version=out.partition_version,
-        fallback=out.fallback,
-        scores=list(out.scores),
-        band=list(out.band),
-        loads=list(out.loads),
         signature=None if req.counts is None else SparseCounts.from_dense(req.counts),
         missing_blocks=req.missing_blocks,
         decide_s=0.001,
-        rng_seed=out.rng_seed if rng_seed else None,
-        fleet=list(out.fleet) if rng_seed else [],
         prompt_tokens=req.prompt_tokens,
     )
+    if typed and version == 4 and rng_seed:
+        return current
+    old = {
+        "v": 3 if typed else 2,
+        "loads": list(out.loads),
+        "considered": [],
+        "live_workers": None,
+        "fleet_totals": None,
+        "rng_seed": out.rng_seed if rng_seed else None,
+        "fleet": list(out.fleet) if rng_seed else [],
+    }
+    if not typed:
+        old.update(profile=None, params=out.profile.params())
+    return msgspec.structs.replace(current, **old)
 
 
 def router(
@@ -172,7 +177,7 @@ def test_cost_aware_decisions_replay_on_a_rebuilt_activity_table() -> None:
     decisions = []
     for i in range(24):
         x = counts(i % 4, i % 3, i)
-        d = record(core, RouteRequest(f"r{i}", "m", 10, x), T0 + i)
+        d = record(core, RouteRequest(f"r{i}", "m", 10, x), T0 + i, version=3)
         core.table.on_assignment(d.worker_id, d.request_id, 10, 0.0)
         core.note_assignment(d.worker_id, d.request_id, x, 10, T0 + i)
         decisions.append(d)
@@ -183,6 +188,58 @@ def test_cost_aware_decisions_replay_on_a_rebuilt_activity_table() -> None:
     assert (report.checked, report.mismatched) == (0, 0)
 
 
+@pytest.mark.parametrize("policy", ["eldr_cost", "eldr_band_cost"])
+def test_activity_decisions_replay_exactly_from_what_they_recorded(policy: str) -> None:
+    """Since Decision v4 a decision records the activity terms its scorer read, so the
+    replay needs no rebuilt table: every decision reproduces, none is approximate, even
+    where the window does not show what the router knew (requests decided before it)."""
+    core = router({"d0": 0, "d1": 1, "d2": 0, "d3": 2}, policy)
+    for i in range(6):  # in flight before the window: absent from the log
+        core.note_assignment(f"d{i % 4}", f"old{i}", counts(i % 4, 1, i), 10, T0 - 10)
+    decisions = []
+    for i in range(24):
+        x = counts(i % 4, i % 3, i)
+        d = record(core, RouteRequest(f"r{i}", "m", 10, x), T0 + i)
+        assert d.considered
+        assert any(row[4] is not None for row in d.considered)
+        core.table.on_assignment(d.worker_id, d.request_id, 10, 0.0)
+        core.note_assignment(d.worker_id, d.request_id, x, 10, T0 + i)
+        decisions.append(d)
+    report = Replayer(log_of(decisions)).reproduce()
+    assert (report.reproduced, report.approximate, report.mismatched) == (24, 0, 0)
+    assert report.share == 1.0
+
+
+def test_the_default_records_only_its_candidates_and_the_fleet_totals() -> None:
+    core = router({"d0": 0, "d1": 3, "d2": 1, "d3": 0}, "eldr_band_cost")
+    d = record(core, RouteRequest("q", "m", 10, counts(1)), T0)
+    assert d.fleet == []
+    assert d.loads == []
+    assert [row[0] for row in d.considered] == ["d0", "d1", "d2", "d3"]  # k 32 > 4 workers
+    assert d.live_workers == 4
+    assert d.fleet_totals == (4, 400)
+    assert d.band == ["d1", "d3"] or d.worker_id in d.band
+
+
+def test_a_tampered_record_of_the_default_does_not_reproduce() -> None:
+    core = router({"d0": 0, "d1": 0, "d2": 0, "d3": 0}, "eldr_band_cost")
+    core.note_assignment("d1", "old", counts(1), 10, T0)
+    d = record(core, RouteRequest("q", "m", 10, counts(1)), T0)
+    p = core.partition
+    assert reproduce_decision(d, p, DecisionRng()).status == "reproduced"
+    rows = [list(r) for r in d.considered]
+    assert sum(r[4] is not None for r in rows) >= 2  # the band was scored
+    for row in rows:  # the winner now looks busy, the rest idle
+        if row[4] is not None:
+            row[4], row[5] = (1e6, 1.0) if row[0] == d.worker_id else (0.0, 1.0)
+    changed = msgspec.structs.replace(d, considered=[tuple(r) for r in rows])
+    result = reproduce_decision(changed, p, DecisionRng())
+    assert result.status == "mismatch"
+    rescored = [(*r[:3], None if r[3] is None else r[3] - 0.2, *r[4:]) for r in d.considered]
+    result = reproduce_decision(msgspec.structs.replace(d, considered=rescored), p, DecisionRng())
+    assert (result.status, result.detail[:16]) == ("mismatch", "recorded scores ")
+
+
 def test_finished_requests_leave_the_rebuilt_activity_table_as_they_left_the_routers() -> None:
     # The router saw each request end through the gateway's finish event (no decode
     # profiles: decode instances without the capture plugin); the replay must too, or its
@@ -191,7 +248,7 @@ def test_finished_requests_leave_the_rebuilt_activity_table_as_they_left_the_rou
     decisions, finishes = [], []
     for i in range(24):
         x = counts(i % 4, i % 3, i)
-        d = record(core, RouteRequest(f"r{i}", "m", 10, x), T0 + i)
+        d = record(core, RouteRequest(f"r{i}", "m", 10, x), T0 + i, version=3)
         core.table.on_assignment(d.worker_id, d.request_id, 10, 0.0)
         core.note_assignment(d.worker_id, d.request_id, x, 10, T0 + i)
         decisions.append(d)
@@ -407,13 +464,29 @@ def test_explain_names_a_tie_and_the_seed_that_broke_it() -> None:
     assert f"rng seed {d.rng_seed}" in text
 
 
-def test_explain_of_a_cost_aware_decision_says_what_the_record_lacks() -> None:
+def test_explain_of_a_cost_aware_record_from_before_v4_says_what_it_lacks() -> None:
     core = router({"d0": 0, "d1": 0}, "eldr_cost")
-    d = record(core, RouteRequest("q", "m", 10, counts(0)), T0)
+    d = record(core, RouteRequest("q", "m", 10, counts(0)), T0, version=3)
     text = explain(d, core.partition).render()
     assert "Band: none: eldr_cost weighs every live worker by predicted step cost" in text
     assert "the per-worker costs are not shown" in text
     assert "Replay: not checked alone" in text
+
+
+def test_explain_of_the_default_shows_the_costs_that_chose_the_worker() -> None:
+    core = router({"d0": 0, "d1": 1, "d2": 4, "d3": 0}, "eldr_band_cost")
+    core.note_assignment("d1", "old", counts(1), 10, T0)
+    d = record(core, RouteRequest("q", "m", 10, counts(1)), T0)
+    e = explain(d, core.partition)
+    text = e.render()
+    assert f"{'U':>8} {'dU':>7} {'cost':>9}" in text
+    costed = [c for c in e.candidates if c.cost is not None]
+    assert {c.worker for c in costed} == set(d.band)
+    winner = next(c for c in costed if c.chosen)
+    assert winner.cost == min(c.cost for c in costed if c.cost is not None)
+    assert f"Winner: {d.worker_id} adds the least predicted decode-step cost in the band" in text
+    assert "Only workers with load <= (1 + slack 0.2) x mean + 1 = 2.5 were eligible" in text
+    assert "Replay: re-running the decision on its recorded inputs gives" in text
 
 
 def test_explain_gives_the_fallback_reason() -> None:

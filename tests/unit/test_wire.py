@@ -23,10 +23,15 @@ from hypothesis.extra import numpy as hnp
 
 from eldr.core.routing.profile import (
     PROFILE_TYPES,
+    Band,
+    Cheapest,
     EldrBoundedProfile,
     EldrCostProfile,
     EldrProfile,
     JsqProfile,
+    MarginalUnionCost,
+    NearestCentroids,
+    PipelineProfile,
     profile_from_params,
 )
 from eldr.wire import (
@@ -142,14 +147,21 @@ def canonical_messages() -> dict[type[Message], Message]:
             fallback="signature_partial",
             scores=[("decode-3", 0.91), ("decode-1", 0.85)],
             band=["decode-3", "decode-1"],
-            loads=[("decode-3", 2.0), ("decode-1", 5.0)],
+            loads=[],
             signature=counts,
             missing_blocks=1,
             decide_s=0.0004,
             rng_seed=2**63 - 1,
-            fleet=[("decode-1", 5, 1200), ("decode-3", 2, 800)],
+            fleet=[],
             prompt_tokens=40,
             outcome="assigned",
+            considered=[
+                ("decode-1", 5, 1200, 0.85, 14.5, 3.25),
+                ("decode-3", 2, 800, 0.91, 9.0, 1.5),
+                ("decode-7", 0, 0, None, None, None),
+            ],
+            live_workers=12,
+            fleet_totals=(40, 9000),
         ),
         LoadReport: LoadReport(
             worker_id="decode-3",
@@ -879,13 +891,23 @@ def test_the_decision_size_bound_holds_for_the_largest_decision() -> None:
     workers, cells = 1024, 16_384
     tokens = [f"{i:04d}".ljust(256, "w") for i in range(workers)]
     # The profile that encodes longest, at values of the most digits.
+    tiny = 1.2345678901234567e-300
     profile = max(
         (
-            EldrCostProfile(locality_weight=1.2345678901234567e-300, prior_tokens=1e-300 / 3),
-            EldrBoundedProfile(tau=0.1234567890123456, slack=1.2345678901234567e-300),
+            EldrCostProfile(locality_weight=tiny, prior_tokens=1e-300 / 3),
+            EldrBoundedProfile(tau=0.1234567890123456, slack=tiny),
+            PipelineProfile(
+                candidates=NearestCentroids(k=4095),
+                filters=(Band(tau=0.1234567890123456, widen_to=4095),) * 8,
+                scorers=(MarginalUnionCost(weight=tiny),) * 8,
+                picker=Cheapest(tolerance=tiny),
+                prior_tokens=1e-300 / 3,
+                top_k=4095,
+            ),
         ),
         key=lambda p: len(msgspec.msgpack.encode(p)),
     )
+    assert isinstance(profile, PipelineProfile)
     dense = np.full((16, cells // 16), 70_000, dtype=np.uint32)  # every cell, uint32
     big = Decision(
         request_id="\U0001f600" * 256,  # 4 bytes per character in UTF-8
@@ -899,13 +921,14 @@ def test_the_decision_size_bound_holds_for_the_largest_decision() -> None:
         fallback=max(FALLBACK_REASONS, key=len),
         scores=[(t, -1.234567e-29) for t in tokens[:64]],
         band=tokens,
-        loads=[(t, 1.5e29) for t in tokens],
+        loads=[],  # routers write no loads where they write the fleet (v4)
         signature=SparseCounts.from_dense(dense),
         missing_blocks=2**63,
         decide_s=0.123456789,
         rng_seed=2**63 - 1,
         fleet=[(t, 2**63, 2**64 - 1) for t in tokens],
         prompt_tokens=2**64 - 1,
+        considered=[(t, 2**63, 2**64 - 1, -1.234567e-29, 1.5e29, 1.5e29) for t in tokens],
     )
     size = len(encode(big))
     assert size <= decision_bytes_bound(workers, cells, 64)

@@ -57,7 +57,13 @@ import numpy as np
 
 from eldr.core.costmodel import CostProfile
 from eldr.core.partition.partition import Partition
-from eldr.core.routing.activity import DEFAULT_TTL_S, ActivityTable, ActivityView, expected_union
+from eldr.core.routing.activity import (
+    DEFAULT_TTL_S,
+    ActivityTable,
+    ActivityView,
+    RecordedActivity,
+    expected_union,
+)
 from eldr.core.routing.decide import (
     SIGNATURE_FALLBACKS,
     DecisionRng,
@@ -100,16 +106,85 @@ def recorded_fleet(d: Decision) -> tuple[tuple[str, ...], np.ndarray, np.ndarray
     """(live workers, in-flight requests, KV tokens) as the router saw them.
 
     Records without `fleet` hold only the policy's measure (`loads`); it then stands in
-    for both (the policy read nothing else).
+    for both (the policy read nothing else). A fleet-scale decision (v4) holds only its
+    candidates (`considered`): they stand in for the fleet.
     """
     if d.fleet:
         workers = tuple(w for w, _, _ in d.fleet)
         in_flight = np.array([n for _, n, _ in d.fleet], dtype=np.int64)
         kv = np.array([k for _, _, k in d.fleet], dtype=np.int64)
         return workers, in_flight, kv
+    if d.considered and not d.loads:
+        # A fleet-scale decision read only its candidates (v4): they are what it saw.
+        workers = tuple(row[0] for row in d.considered)
+        in_flight = np.array([row[1] for row in d.considered], dtype=np.int64)
+        kv = np.array([row[2] for row in d.considered], dtype=np.int64)
+        return workers, in_flight, kv
     workers = tuple(w for w, _ in d.loads)
     load = np.array([round(x) for _, x in d.loads], dtype=np.int64)
     return workers, load, load.copy()
+
+
+@dataclass(frozen=True)
+class RecordedInputs:
+    """What a v4 record says its stages read (`Decision.considered`): the workers of the
+    replayed view (the fleet, or only the candidates where the decision read no other
+    worker), their loads, the candidates' scores (None where the fleet's scores are
+    recomputed from the partition), their activity terms and the fleet's mean loads."""
+
+    workers: tuple[str, ...]
+    in_flight: np.ndarray
+    kv_tokens: np.ndarray
+    scores: np.ndarray | None
+    activity: RecordedActivity | None
+    mean_loads: tuple[float, float] | None
+
+
+def recorded_inputs(d: Decision) -> RecordedInputs | None:
+    """The stage inputs a record holds (None for records without `considered`)."""
+    if not d.considered:
+        return None
+    rows = d.considered
+    by_worker = {row[0]: row for row in rows}
+    if d.fleet:
+        workers, in_flight, kv = recorded_fleet(d)
+        scores = None
+        mean_loads = None
+    else:
+        workers = tuple(row[0] for row in rows)
+        in_flight = np.array([row[1] for row in rows], dtype=np.int64)
+        kv = np.array([row[2] for row in rows], dtype=np.int64)
+        scores = np.array([-np.inf if row[3] is None else row[3] for row in rows], dtype=np.float32)
+        live = max(d.live_workers or len(rows), 1)
+        totals = d.fleet_totals or (int(in_flight.sum()), int(kv.sum()))
+        mean_loads = (totals[0] / live, totals[1] / live)
+    activity = None
+    if any(row[4] is not None for row in rows) and d.signature is not None:
+        union = np.full(len(workers), np.nan)
+        added = np.full(len(workers), np.nan)
+        for i, w in enumerate(workers):
+            row = by_worker.get(w)
+            if row is not None and row[4] is not None and row[5] is not None:
+                union[i], added[i] = row[4], row[5]
+        activity = RecordedActivity(tuple(d.signature.shape), union, added)  # type: ignore[arg-type]
+    return RecordedInputs(workers, in_flight, kv, scores, activity, mean_loads)
+
+
+def recorded_score_problem(
+    d: Decision, inputs: RecordedInputs, partition: Partition | None
+) -> str | None:
+    """Why the candidates' recorded scores do not match the partition (None: they do, or
+    there is nothing to check)."""
+    if inputs.scores is None or partition is None or d.signature is None:
+        return None
+    exact = partition.exact_scores_for(d.signature.to_dense(np.uint32), inputs.workers)
+    recorded = np.isfinite(inputs.scores)
+    if not np.isfinite(exact[recorded]).all():
+        return "a recorded candidate has no centroid in the partition"
+    worst = float(np.max(np.abs(exact[recorded] - inputs.scores[recorded]), initial=0.0))
+    if worst > SCORE_TOLERANCE:
+        return f"recorded scores differ from the partition's by up to {worst:.2e}"
+    return None
 
 
 def request_of(d: Decision) -> RouteRequest:
@@ -242,6 +317,29 @@ def reproduce_decision(
         chooser = policy or make_policy(d.routing_profile)
     except ValueError as exc:
         return Reproduction("unreplayable", detail=f"policy {d.policy!r}: {exc}")
+    inputs = recorded_inputs(d)
+    if inputs is not None:
+        problem = recorded_score_problem(d, inputs, partition)
+        if problem is not None:
+            return Reproduction("mismatch", detail=problem)
+        outcome = route(
+            request_of(d),
+            policy=chooser,
+            partition=partition,
+            workers=inputs.workers,
+            in_flight=inputs.in_flight,
+            kv_tokens=inputs.kv_tokens,
+            rng=rngs.seeded(d.rng_seed or 0),
+            rng_seed=d.rng_seed,
+            max_scores=max_scores or max(len(d.scores), 1),
+            expert_miss=inputs.activity,
+            scores=inputs.scores,
+            mean_loads=inputs.mean_loads,
+        )
+        diff = difference(d, outcome)
+        if diff is None:
+            return Reproduction("reproduced", outcome)
+        return Reproduction("mismatch", outcome, detail=diff)
     workers, in_flight, kv = recorded_fleet(d)
     outcome = route(
         request_of(d),
@@ -563,7 +661,8 @@ class Replayer:
             expert_miss = None
             if track is not None:
                 track.advance(d.ts_s)
-                expert_miss = track.view(recorded_fleet(d)[0])
+                if not d.considered:
+                    expert_miss = track.view(recorded_fleet(d)[0])
                 track.add(i, d.worker_id, d, profile)
             policy: Policy | None = None
             if profile is not None and profile.stateful:
@@ -586,7 +685,10 @@ class Replayer:
                 policy,
                 expert_miss=expert_miss,
             )
-            uses_activity = profile is not None and profile.uses_activity
+            # Activity rebuilt from the window (records before v4): counted apart.
+            uses_activity = (
+                profile is not None and profile.uses_activity and recorded_inputs(d) is None
+            )
             if uses_activity and result.status in ("reproduced", "approximate"):
                 report.approximate += 1
                 if result.status == "approximate":

@@ -26,8 +26,8 @@ from eldr.core.partition.partition import Partition
 from eldr.core.routing.decide import DecisionRng, decide_view
 from eldr.core.routing.pipeline import BandTrace, Choice, make_policy
 from eldr.core.routing.profile import (
-    EldrBoundedProfile,
     JsqProfile,
+    LoadCeiling,
     P2cProfile,
     ProfileBase,
     RandomProfile,
@@ -71,6 +71,12 @@ class Candidate:
     kv_tokens: int | None
     in_band: bool
     chosen: bool
+    union: float | None = None
+    """Its predicted expert union per step (U), where the decision recorded it."""
+    added: float | None = None
+    """What the request adds to that union (dU), where the decision recorded it."""
+    cost: float | None = None
+    """The cost the decision's scorers gave it (re-run on the recorded inputs)."""
 
 
 @dataclass(frozen=True)
@@ -130,8 +136,11 @@ class Explanation:
             f"nearest centroid, {self.scores_from}; load: {unit}):"
         )
         has_fleet = any(c.in_flight is not None for c in self.candidates)
+        has_cost = any(c.cost is not None for c in self.candidates)
         header = f"  {'worker':<16} {'score':>7}"
         header += f" {'in-flight':>10} {'KV tokens':>10}" if has_fleet else f" {'load':>10}"
+        if has_cost:
+            header += f" {'U':>8} {'dU':>7} {'cost':>9}"
         lines.append(header)
         for c in self.candidates:
             score = "-" if c.score is None else f"{c.score:.3f}"
@@ -140,6 +149,12 @@ class Explanation:
                 row += f" {c.in_flight or 0:>10,} {c.kv_tokens or 0:>10,}"
             else:
                 row += f" {c.load:>10,.0f}"
+            if has_cost:
+                row += (
+                    f" {'-' if c.union is None else f'{c.union:.2f}':>8}"
+                    f" {'-' if c.added is None else f'{c.added:.3f}':>7}"
+                    f" {'-' if c.cost is None else f'{c.cost:.2f}':>9}"
+                )
             marks = [m for m, on in (("in band", c.in_band), ("chosen", c.chosen)) if on]
             lines.append(row + ("   " + ", ".join(marks) if marks else ""))
         lines.append("")
@@ -177,15 +192,26 @@ def explain(
     choice = None if rerun is None or rerun.outcome is None else rerun.outcome.choice
     scores, scores_from = _scores(d, usable, workers)
     band = set(d.band)
+    terms = {row[0]: (row[4], row[5]) for row in d.considered}
+    cost_of: dict[str, float] = {}
+    # Costs re-run without the activity terms the router read (records before v4) would
+    # not be the ones that chose the worker: shown only where the record holds them.
+    recorded_terms = bool(d.considered) or not (routing is not None and routing.uses_activity)
+    if choice is not None and choice.costs is not None and recorded_terms:
+        cost_of = {workers[i]: float(c) for i, c in zip(choice.scored, choice.costs, strict=True)}
+    exact_loads = bool(d.fleet or d.considered)
     candidates = [
         Candidate(
             worker=w,
             score=scores.get(w),
             load=float(load[i]),
-            in_flight=int(in_flight[i]) if d.fleet else None,
-            kv_tokens=int(kv[i]) if d.fleet else None,
+            in_flight=int(in_flight[i]) if exact_loads else None,
+            kv_tokens=int(kv[i]) if exact_loads else None,
             in_band=w in band,
             chosen=w == d.worker_id,
+            union=terms.get(w, (None, None))[0],
+            added=terms.get(w, (None, None))[1],
+            cost=cost_of.get(w),
         )
         for i, w in enumerate(workers)
     ]
@@ -244,7 +270,7 @@ def explain(
             if locality
             else _no_band(d, routing)
         ),
-        winner_reason=_winner_reason(d, routing, choice, workers, load_of, unit, locality),
+        winner_reason=_winner_reason(d, routing, choice, workers, load_of, unit, locality, cost_of),
         load_only_worker=jsq_worker,
         load_only_reason=load_only,
         fallback=d.fallback,
@@ -316,10 +342,15 @@ def _band_reason(
     scored_band = [w for w in names if w not in newcomers]
     eligible_note = ""
     over = {workers[i] for i in rule.over_bound}
-    if rule.bound is not None and isinstance(routing, EldrBoundedProfile):
+    ceiling = (
+        None
+        if routing is None
+        else next((f for f in routing.pipeline.filters if isinstance(f, LoadCeiling)), None)
+    )
+    if rule.bound is not None and ceiling is not None:
         excluded = f" (not: {', '.join(sorted(over))})" if over else ""
         eligible_note = (
-            f"Only workers with load <= (1 + slack {routing.slack:g}) x mean + 1 = "
+            f"Only workers with load <= (1 + slack {ceiling.slack:g}) x mean + 1 = "
             f"{rule.bound:.1f} were eligible{excluded}. "
         )
     best_worker, best, tau = workers[rule.best], rule.best_score, rule.tau
@@ -365,9 +396,25 @@ def _winner_reason(
     load_of: dict[str, float],
     unit: str,
     locality: bool,
+    cost_of: dict[str, float],
 ) -> str:
     w = d.worker_id
     seed = "no recorded seed" if d.rng_seed is None else f"rng seed {d.rng_seed}"
+    if routing is not None and routing.uses_activity and d.fallback is None and cost_of:
+        where = "in the band" if locality else f"among all {len(cost_of)} live workers"
+        nearest = sorted((c, x) for x, c in cost_of.items() if x != w)[:3]
+        shown = ", ".join(f"{x} {c:.2f}" for c, x in nearest)
+        tie = ""
+        if choice is not None and len(choice.tied) > 1:
+            tied = ", ".join(workers[i] for i in choice.tied)
+            tie = f"; {tied} tied and the decision's seeded draw ({seed}) picked {w}"
+        return (
+            f"{w} adds the least predicted decode-step cost {where}: "
+            f"U + (n + 1) dU = {cost_of.get(w, float('nan')):.2f} expert loads per step "
+            f"(its expert union per step now, plus what the request adds to it for itself "
+            f"and each of its n in-flight requests){f'; next: {shown}' if shown else ''}"
+            f"{tie}."
+        )
     if routing is not None and routing.uses_activity and d.fallback is None:
         return (
             f"{d.policy} sent it where it adds the least predicted decode-step cost (the "
@@ -443,10 +490,10 @@ def _replay(
     partition: Partition | None,
     rerun: Reproduction | None,
 ) -> str:
-    if routing is not None and routing.uses_activity:
+    if routing is not None and routing.uses_activity and not d.considered:
         return (
             f"not checked alone: {d.policy} also reads the router's activity table, which "
-            "the record does not hold (`eldr replay` rebuilds it from the window)."
+            "records before v4 do not hold (`eldr replay` rebuilds it from the window)."
         )
     if routing is not None and routing.stateful:
         return "round-robin depends on the router's previous decision: replay the window."

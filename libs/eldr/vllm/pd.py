@@ -255,7 +255,7 @@ def decode_candidates(decision: Decision | None, decoders: Sequence[str]) -> lis
             [decision.worker_id],
             decision.band,
             (w for w, _ in decision.scores),
-            (w for w, _ in decision.loads),
+            decision.workers_seen,
         )
         for group in ranked:
             for worker in group:

@@ -73,6 +73,12 @@ CaptureState = Literal["ok", "off", "failed"]
 ScoredWorker = tuple[Token, FiniteFloat]
 WorkerLoads = tuple[Token, Count, Count]
 """(worker, in-flight requests, KV tokens)."""
+ConsideredWorker = tuple[
+    Token, Count, Count, FiniteFloat | None, FiniteFloat | None, FiniteFloat | None
+]
+"""What a decision read of one candidate: (worker, in-flight requests, KV tokens, partition
+score or None without a centroid, predicted expert union per step U and what the request
+adds to it dU, both None where the marginal-union scorer did not read them)."""
 
 
 def _require_shape(counts: SparseCounts | None, n_layers: int, n_experts: int, what: str) -> None:
@@ -347,12 +353,34 @@ class Decision(Message, frozen=True, kw_only=True, tag="decision"):
     profile: RoutingProfile | None = None
     """The routing profile in force: the policy and every parameter, typed
     (`eldr.core.routing.profile`). v3; None in older records (see `params`)."""
-    v: Version = 3
+    considered: Annotated[list[ConsideredWorker], msgspec.Meta(max_length=MAX_WORKERS)] = (
+        msgspec.field(default_factory=list)
+    )
+    """What the decision's stages read of each candidate, in the router's order, where
+    `fleet` and the partition do not say it: every candidate of a fleet-scale profile
+    (whose decision reads no other worker: `fleet` is then empty) and the activity terms
+    of the marginal-union scorer. A replay re-runs the stages on exactly these. v4."""
+    live_workers: Count | None = None
+    """Live workers when the decision was made, with `considered` and no `fleet`. v4."""
+    fleet_totals: tuple[Count, Count] | None = None
+    """(in-flight requests, KV tokens) summed over the live fleet, with `considered` and no
+    `fleet` (a load ceiling compares a candidate with the fleet's mean). v4."""
+    v: Version = 4
 
     @property
     def assigned(self) -> bool:
         """Whether the record sends the request to `worker_id` (not an expired one)."""
         return self.outcome == "assigned"
+
+    @property
+    def workers_seen(self) -> list[str]:
+        """The workers the decision read, in the router's order: its fleet, else (records
+        before v4) its loads, else its candidates."""
+        if self.fleet:
+            return [w for w, _, _ in self.fleet]
+        if self.loads:
+            return [w for w, _ in self.loads]
+        return [row[0] for row in self.considered]
 
     @property
     def routing_profile(self) -> ProfileBase:
@@ -385,10 +413,20 @@ class Decision(Message, frozen=True, kw_only=True, tag="decision"):
         require(
             len(self.fleet) <= MAX_WORKERS
             and len(self.loads) <= MAX_WORKERS
-            and len(self.band) <= MAX_WORKERS,
+            and len(self.band) <= MAX_WORKERS
+            and len(self.considered) <= MAX_WORKERS,
             f"a decision names at most {MAX_WORKERS} workers, this one {len(self.fleet)} "
-            f"(fleet), {len(self.loads)} (loads), {len(self.band)} (band)",
+            f"(fleet), {len(self.loads)} (loads), {len(self.band)} (band), "
+            f"{len(self.considered)} (considered)",
         )
+        if self.considered and not self.fleet:
+            require(
+                self.live_workers is not None
+                and self.live_workers >= len(self.considered)
+                and self.fleet_totals is not None,
+                "a decision that records candidates but no fleet records the live workers "
+                "(at least as many as its candidates) and the fleet's load totals",
+            )
         require(
             len(self.scores) <= MAX_SCORES and len(self.params) <= MAX_PARAMS,
             f"a decision records at most {MAX_SCORES} scores and {MAX_PARAMS} parameters",
@@ -402,7 +440,7 @@ class _DecisionView(Message, frozen=True, kw_only=True, tag="decision"):
     request_id: Ident
     worker_id: Token
     outcome: DecisionOutcome = "assigned"
-    v: Version = 3
+    v: Version = 4
 
     def __post_init__(self) -> None:
         require(
@@ -456,12 +494,13 @@ largest profile encodes to under 120)."""
 
 def decision_bytes_bound(max_workers: int, max_cells: int, max_scores: int) -> int:
     """The most bytes a `Decision` encodes to when it names at most `max_workers` workers
-    (fleet, loads, band), `max_scores` scores and a signature of at most `max_cells`
-    cells: fleet entries 278 bytes (a 256-character token and two integers), loads and
-    scores 269, band 259, a signature cell 8 (uint32 index and count), plus
+    (fleet, band, considered: a router writes `loads` only with none of the fleet),
+    `max_scores` scores and a signature of at most `max_cells` cells: fleet entries 278
+    bytes (a 256-character token and two integers), considered 305 (the same and three
+    floats), band 259, scores 269, a signature cell 8 (uint32 index and count), plus
     `DECISION_FIXED_BYTES`. A router checks its limits against this at start so that
     every decision it can make fits the readers' `max_payload_bytes`."""
-    per_worker = 278 + 269 + 259
+    per_worker = 278 + 305 + 259
     return DECISION_FIXED_BYTES + max_workers * per_worker + max_scores * 269 + max_cells * 8
 
 

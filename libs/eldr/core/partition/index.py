@@ -266,6 +266,12 @@ class CentroidIndex:
             raise ValueError("query is the zero vector, which has no cosine similarity")
         return np.ascontiguousarray(queries / norms[:, None])
 
+    def exact_scores(self, q: np.ndarray) -> np.ndarray:
+        """float32 [num_workers]: each worker's exact best cosine similarity to q (every
+        centroid scored; what a replay checks recorded scores against)."""
+        scores: np.ndarray = self._exact(self._as_queries(q, single=True))[0]
+        return scores
+
     def _exact(self, queries: np.ndarray) -> np.ndarray:
         sims = queries @ self._centroids.T  # [B, M]
         if self._identity:

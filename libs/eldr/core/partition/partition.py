@@ -142,6 +142,19 @@ class Partition:
         out[owned] = scores[slots[owned]]
         return out
 
+    def exact_scores_for(self, counts: np.ndarray, candidates: Sequence[str]) -> np.ndarray:
+        """Exact scores of `candidates` (every centroid scored, whatever the index does on
+        the request path); -inf for workers not in this partition or a zero signature."""
+        out = np.full(len(candidates), -np.inf, dtype=np.float32)
+        sig = self.signature(counts)
+        if not np.any(sig):
+            return out
+        scores = self._index.exact_scores(sig)
+        slots = self.slots_of(candidates)
+        owned = slots >= 0
+        out[owned] = scores[slots[owned]]
+        return out
+
     def nearest_for(self, counts: np.ndarray, candidates: Sequence[str], k: int) -> np.ndarray:
         """Scores of `candidates` (live workers) for the owners of the `k` centroids nearest
         the request (`CentroidIndex.nearest`), -inf for every other worker: the work grows

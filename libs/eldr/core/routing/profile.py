@@ -235,6 +235,10 @@ class Cheapest(Stage, frozen=True, tag="cheapest"):
 
 PickerStage: TypeAlias = Cheapest
 
+MAX_STAGES = 8
+"""Filters, and scorers, a pipeline given as data may list (a profile is recorded with
+every decision: its size stays small)."""
+
 
 class Pipeline(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Candidates -> filters -> weighted scorers -> picker: what a profile routes with."""
@@ -492,8 +496,8 @@ class PipelineProfile(_CostAware, frozen=True, tag="pipeline"):
     [{"stage": "marginal_union"}, {"stage": "load", "weight": 5}]}`."""
 
     candidates: CandidateStage = AllLive()
-    filters: tuple[FilterStage, ...] = ()
-    scorers: tuple[ScorerStage, ...] = (LoadCost(),)
+    filters: Annotated[tuple[FilterStage, ...], Meta(max_length=MAX_STAGES)] = ()
+    scorers: Annotated[tuple[ScorerStage, ...], Meta(max_length=MAX_STAGES)] = (LoadCost(),)
     picker: PickerStage = Cheapest()
     prior_tokens: PriorTokens = PRIOR_TOKENS
     """Pseudo-tokens the demand prediction is smoothed with (`PRIOR_TOKENS`)."""
