@@ -14,8 +14,10 @@ import aiohttp
 import numpy as np
 import pytest
 
-from eldr.bus import Bus
-from eldr.core.routing.profile import EldrCostProfile
+from eldr.bus import Bus, Topology, apply_topology
+from eldr.core.partition.partition import Partition
+from eldr.core.routing.profile import DEFAULT_PROFILE, EldrCostProfile
+from eldr.core.signature.signature import Calibration
 from eldr.settings import BusSettings, RetentionSettings
 from eldr.wire import (
     Decision,
@@ -28,6 +30,7 @@ from eldr_services.router.service import setup
 from eldr_services.router.settings import RouterSettings
 from support import messages
 from support.decisions import committed_decision
+from support.partitions import announce
 from support.services import running_service
 from support.workers import reporting
 
@@ -138,6 +141,54 @@ async def route(bus: Bus, rid: str, experts: tuple[int, ...]) -> Decision:
     return await committed_decision(bus, rid)
 
 
+def two_topic_partition() -> Partition:
+    """d0 and d1 own centroids on experts 0-1, d2 and d3 on experts 2-3."""
+    cal = Calibration(L, E, "raw", None, np.ones(L, dtype=bool))
+    c = np.zeros((4, L * E), dtype=np.float32)
+    for k, (a, b) in enumerate([(0, 1), (0, 1), (2, 3), (2, 3)]):
+        c[k, [a, b, E + a, E + b]] = 0.5 + 0.01 * k  # near-equal within a topic
+    return Partition(1, "m", cal, c, np.arange(4), ("d0", "d1", "d2", "d3"))
+
+
+async def test_the_default_routes_in_the_partitions_band_where_the_activity_is_cheapest(
+    bus: Bus, bus_settings: BusSettings, retention: RetentionSettings, topology: Topology
+) -> None:
+    """The shipped default reads the announced partition (the band: the two workers of the
+    request's topic) and the activity table (of the two, the one already running its
+    experts costs least to join); its record holds only what it read."""
+    await apply_topology(bus, topology)
+    await announce(bus, two_topic_partition())
+    port = free_port()
+    settings = RouterSettings(
+        **(bus_settings.model_dump() | retention.model_dump()),
+        signature_timeout_s=0.05,
+        stale_after_s=2.0,
+        metrics_port=port,
+    )
+    assert settings.routing_profile == DEFAULT_PROFILE
+    running = dict.fromkeys(("d0", "d1", "d2", "d3"), 3)
+    admitted: dict[str, list[str]] = {w: [] for w in running}
+    async with reporting(bus, running, period_s=0.1, admitted=admitted), running_router(settings):
+        for i in range(2):
+            admitted["d1"].append(f"y{i}")
+            await other_replica_decides(bus, f"y{i}", "d1", (0, 1))
+            admitted["d2"].append(f"z{i}")
+            await other_replica_decides(bus, f"z{i}", "d2", (2, 3))
+        await wait_for_activity(port, 4)
+        first = await route(bus, "r1", (0, 1))
+        second = await route(bus, "r2", (2, 3))
+    for d, band, worker in ((first, ["d0", "d1"], "d1"), (second, ["d2", "d3"], "d2")):
+        assert (d.policy, d.partition_version, d.fallback) == ("eldr_band_cost", 1, None)
+        assert (d.band, d.worker_id) == (band, worker)
+        assert d.fleet == []
+        assert d.live_workers == 4
+        assert [row[0] for row in d.considered] == ["d0", "d1", "d2", "d3"]
+        terms = {row[0]: (row[4], row[5]) for row in d.considered if row[4] is not None}
+        assert set(terms) == set(band)
+        other = next(w for w in band if w != worker)
+        assert terms[worker][1] < terms[other][1]  # it adds fewer new experts there
+
+
 async def test_cost_aware_routing_follows_activity_and_forgets_finished_requests(
     bus: Bus, bus_settings: BusSettings, retention: RetentionSettings
 ) -> None:
@@ -147,8 +198,8 @@ async def test_cost_aware_routing_follows_activity_and_forgets_finished_requests
         signature_timeout_s=0.05,
         stale_after_s=2.0,
         metrics_port=port,
+        routing_profile=EldrCostProfile(),  # activity over every worker, no partition
     )
-    assert settings.routing_profile == EldrCostProfile()  # the default
     admitted: dict[str, list[str]] = {"d0": [], "d1": []}
     async with reporting(bus, RUNNING, period_s=0.1, admitted=admitted), running_router(settings):
         # Another replica sent three expert-2/3 requests to d1.
@@ -183,6 +234,7 @@ async def test_finish_events_release_activity_without_any_decode_profile(
         signature_timeout_s=0.05,
         stale_after_s=2.0,
         metrics_port=port,
+        routing_profile=EldrCostProfile(),
     )
     admitted: dict[str, list[str]] = {"d0": [], "d1": []}
     async with reporting(bus, RUNNING, period_s=0.1, admitted=admitted), running_router(settings):

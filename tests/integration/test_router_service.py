@@ -16,11 +16,9 @@ from eldr.bus.topology import DECISIONS, PARTITIONS
 from eldr.core.partition.partition import Partition
 from eldr.core.routing.profile import EldrBoundedProfile, EldrCostProfile, EldrProfile
 from eldr.core.signature.signature import Calibration
-from eldr.partitions.codec import blob_sha256, partition_to_blob
 from eldr.settings import BusSettings, RetentionSettings
 from eldr.wire import (
     Decision,
-    PartitionAnnouncement,
     PrefillDone,
     RouterControl,
     RouterControlReply,
@@ -28,6 +26,7 @@ from eldr.wire import (
 )
 from eldr_services.router.service import setup
 from eldr_services.router.settings import RouterSettings
+from support.partitions import announce
 from support.services import running_service
 from support.workers import reporting
 
@@ -153,7 +152,8 @@ async def test_eldr_without_partition_or_signature_falls_back_and_says_why(
     assert d.policy == "eldr"
     assert d.fallback == "no_partition"
     assert d.worker_id == "d1"
-    assert dict(d.loads) == {"d0": 5.0, "d1": 0.0}
+    assert {w: n for w, n, _ in d.fleet} == {"d0": 5, "d1": 0}
+    assert d.loads == []  # v4: the fleet holds both measures
 
 
 async def test_no_live_worker_puts_the_request_back_until_one_reports(
@@ -188,26 +188,6 @@ def locality_partition(version: int, workers: tuple[str, str]) -> Partition:
         centroids=c,
         owners=np.array([0, 1]),
         workers=workers,
-    )
-
-
-async def announce(bus: Bus, p: Partition) -> None:
-    blob = partition_to_blob(p)
-    ns = bus.subjects.namespace
-    ref = await bus.object_put(f"{ns}-partitions", f"v{p.version}", blob)
-    assert ref.sha256 == blob_sha256(blob)
-    await bus.js_publish(
-        bus.subjects.partition_active,
-        PartitionAnnouncement(
-            version=p.version,
-            model=p.model,
-            object_name=f"v{p.version}",
-            sha256=ref.sha256,
-            created_ts_s=time.time(),
-            k=p.k,
-            dim=p.calibration.dim,
-            workers=list(p.workers),
-        ),
     )
 
 
@@ -297,7 +277,7 @@ async def test_control_sets_a_typed_profile_and_a_policy_switch_keeps_its_parame
         assert (replaced.profile, replaced.params) == (typed, typed.params())
         await bus.js_publish(bus.subjects.prefill_done("p0"), prefill_done("c1"))
         [d] = await collect_decisions(bus, 1)
-    assert (d.v, d.policy, d.profile, d.params) == (3, "eldr_cost", typed, {})
+    assert (d.v, d.policy, d.profile, d.params) == (4, "eldr_cost", typed, {})
 
 
 async def test_a_request_waits_for_a_worker_past_the_ack_wait_without_redelivery(
