@@ -9,6 +9,8 @@ import math
 import numpy as np
 import pytest
 
+from eldr.core.routing.online import per_token_activation, promotion_verdict, shadow_evaluate
+from eldr.core.routing.profile import DEFAULT_PROFILE, EldrCostProfile
 from eldr.core.training.config import TrainerConfig
 from eldr.core.training.refit import (
     FitAborted,
@@ -201,3 +203,109 @@ def test_a_refit_is_due_on_the_schedule_and_on_a_settled_worker_change() -> None
         "churn",
         "worker set changed: joined dw3, left dw2",
     )
+
+
+# --- the trainer matters under the routers' default ---------------------------------------------
+
+TOPIC_EXPERTS = 4
+"""Experts each topic's tokens route to (per layer), in the SPEC geometry (4 x 16)."""
+
+
+def topic_rows(topic: int, n: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(prefill, decode) counts of `n` requests of one topic: 85% of tokens on its experts."""
+    rng = np.random.default_rng([seed, topic])
+    layers, experts = SPEC.num_moe_layers, SPEC.num_experts
+    out = []
+    for _ in range(n):
+        rows = []
+        for tokens in (16, 48):
+            c = np.zeros(layers * experts, dtype=np.float32)
+            for layer in range(layers):
+                for _ in range(tokens):
+                    if rng.random() < 0.85:
+                        e = TOPIC_EXPERTS * topic + int(rng.integers(TOPIC_EXPERTS))
+                    else:
+                        e = int(rng.integers(experts))
+                    c[layer * experts + e] += SPEC.top_k
+            rows.append(c)
+        out.append((rows[0], rows[1]))
+    return out
+
+
+def feed_topics(state: TrainerState, topics: list[int], n: int, start: int, ts_s: float) -> None:
+    for k, (prefill, decode) in enumerate(row for t in topics for row in topic_rows(t, n, start)):
+        rid = f"t{start}-{k}"
+        shape = (SPEC.num_moe_layers, SPEC.num_experts)
+        state.add_decision(
+            rid, "m", WORKERS[k % 3], SparseRow.from_dense(prefill.reshape(shape)), ts_s
+        )
+        state.add_profile(rid, SparseRow.from_dense(decode.reshape(shape)), ts_s)
+
+
+def test_under_the_default_a_refit_after_the_traffic_shifts_is_promoted() -> None:
+    """The routers' default routes by the partition, so the trainer's gate sees a partition
+    fitted for traffic that is gone differ from one fitted for the traffic now: a refit on
+    the new traffic is promoted (before issue 21 every candidate tied the active version,
+    0.00%, and was rejected)."""
+    config = dataclasses.replace(CONFIG, drift_fit_max_age_s=10.0, shadow_min_requests=20)
+    assert config.routing_profile == DEFAULT_PROFILE
+    state = TrainerState(config, mono_s=0.0)
+    feed_topics(state, [0, 1], 40, start=1, ts_s=0.0)
+    first = state.select(now_s=1.0, live=WORKERS, k=None, trigger="request")
+    state.apply(plan_refit(first, None, config=config, in_flight={}))
+    feed_topics(state, [2, 3], 60, start=2, ts_s=50.0)  # the traffic shifts
+    selection = state.select(now_s=55.0, live=WORKERS, k=None, trigger="drift")
+    result = plan_refit(selection, state.active, config=config, in_flight={})
+    assert result.shadow is not None
+    assert result.shadow.change < -0.02, result.verdict.reason
+    assert result.promote, result.verdict.reason
+    # The gate of a profile that reads no partition cannot tell the two apart.
+    blind = dataclasses.replace(config, routing_profile=EldrCostProfile())
+    unseen = plan_refit(selection, state.active, config=blind, in_flight={})
+    assert unseen.shadow is not None
+    assert unseen.shadow.change == 0.0
+    assert not unseen.promote
+
+
+def test_under_the_default_a_worse_partition_is_rejected() -> None:
+    """The shadow gate, routing with the default, prefers the active partition to a
+    candidate whose centroids point nowhere useful (shuffled across experts) and finds no
+    gain in one whose centroids were only permuted across workers: both are rejected."""
+    config = dataclasses.replace(CONFIG, shadow_min_requests=20)
+    state = TrainerState(config, mono_s=0.0)
+    feed_topics(state, [0, 1, 2], 40, start=3, ts_s=0.0)
+    selection = state.select(now_s=1.0, live=WORKERS, k=None, trigger="request")
+    state.apply(plan_refit(selection, None, config=config, in_flight={}))
+    good = state.active
+    assert good is not None
+    held = topic_rows(0, 30, 9) + topic_rows(1, 30, 9) + topic_rows(2, 30, 9)
+    order = np.random.default_rng(5).permutation(len(held))
+    prefill = np.stack([held[i][0] for i in order])
+    act = per_token_activation(np.stack([held[i][1] for i in order]), SPEC.num_moe_layers)
+    rng = np.random.default_rng(11)
+    shuffled = rng.permutation(good.centroids.shape[1])
+    candidates = {
+        "shuffled across experts": dataclasses.replace(
+            good, version=good.version + 1, centroids=good.centroids[:, shuffled]
+        ),
+        "permuted across workers": dataclasses.replace(
+            good, version=good.version + 1, owners=np.roll(good.owners, 1)
+        ),
+    }
+    changes = {}
+    for name, bad in candidates.items():
+        shadow = shadow_evaluate(
+            good,
+            bad,
+            prefill,
+            act,
+            WORKERS,
+            profile=DEFAULT_PROFILE,
+            batch=8,
+            num_moe_layers=SPEC.num_moe_layers,
+        )
+        verdict = promotion_verdict(shadow, config.shadow_min_gain)
+        assert not verdict.promote, (name, verdict.reason)
+        changes[name] = shadow.change
+    assert changes["shuffled across experts"] > 0.02
+    assert abs(changes["permuted across workers"]) < 0.02
