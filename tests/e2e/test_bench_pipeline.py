@@ -18,7 +18,7 @@ from eldr.bench.pipeline_bench import PipelineConfig, format_table, run
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-@pytest.mark.parametrize("policy", ["eldr_cost", "eldr"])
+@pytest.mark.parametrize("policy", ["eldr_band_cost", "eldr"])
 def test_every_request_is_decided_once_and_the_router_share_is_part_of_the_latency(
     tmp_path: Path, policy: str
 ) -> None:
@@ -115,8 +115,8 @@ def test_one_run_reports_jsq_beside_the_policy_cpu_saturation_and_replicas(
             settle_s=0.2,
         )
     )
-    assert set(result["policies"]) == {"eldr_cost", "jsq"}
-    assert result["results"] == result["policies"]["eldr_cost"]
+    assert set(result["policies"]) == {"eldr_band_cost", "jsq"}
+    assert result["results"] == result["policies"]["eldr_band_cost"]
     for rows in result["policies"].values():
         (row,) = rows
         assert row["stream_lost"] == row["stream_doubled"] == 0
@@ -134,5 +134,5 @@ def test_one_run_reports_jsq_beside_the_policy_cpu_saturation_and_replicas(
     assert replicas["stream_lost"] == 0
     assert replicas["cpu"]["cpu_s"].keys() >= {"router-0", "router-1"}
     table = format_table(result)
-    assert "eldr_cost / jsq" in table
+    assert "eldr_band_cost / jsq" in table
     assert "throughput by router replicas" in table

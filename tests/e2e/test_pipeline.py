@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from eldr.core.routing.profile import EldrCostProfile, EldrProfile, RoundRobinProfile
+from eldr.core.routing.profile import DEFAULT_PROFILE, EldrProfile, RoundRobinProfile
 from eldr.core.workload.synthetic import SyntheticSpec
 from eldr.dev.demo import DemoConfig, run_demo
 
@@ -48,13 +48,13 @@ def test_requests_are_decided_exactly_once_and_locality_shrinks_the_expert_union
             state_dir=tmp_path,
             signature_replicas=2,
             router_replicas=2,
-            policies=(RoundRobinProfile(), EldrProfile(), EldrCostProfile()),
+            policies=(RoundRobinProfile(), EldrProfile(), DEFAULT_PROFILE),
         )
     )
     assert result.requests_sent == 2800
     assert result.decisions_recorded == 2800
     rr, eldr, default = result.results
-    assert (rr.policy, eldr.policy, default.policy) == ("round_robin", "eldr", "eldr_cost")
+    assert (rr.policy, eldr.policy, default.policy) == ("round_robin", "eldr", DEFAULT_PROFILE.name)
     for r in (rr, eldr, default):
         assert r.sent == r.decided == 800
         assert r.lost == 0
@@ -62,6 +62,6 @@ def test_requests_are_decided_exactly_once_and_locality_shrinks_the_expert_union
         assert r.finished == 800  # every request decoded by its simulated worker
     assert result.partition_version is not None
     assert eldr.fallbacks == {}  # every ELDR decision used the partition
-    assert default.fallbacks == {}  # and every default-policy decision its signature
+    assert default.fallbacks == {}  # and every default decision the partition and signature
     assert eldr.expert_union_mean < rr.expert_union_mean
     assert default.expert_union_mean < rr.expert_union_mean

@@ -32,8 +32,8 @@ import numpy as np
 from eldr.bus import Bus, BusError, RemoteError, stream_name
 from eldr.bus.topology import DECISIONS
 from eldr.core.routing.profile import (
-    EldrCostProfile,
-    EldrProfile,
+    DEFAULT_PROFILE,
+    PAPER_PROFILE,
     ProfileBase,
     RoundRobinProfile,
     as_routing_profile,
@@ -81,9 +81,9 @@ class DemoConfig:
     rate_per_s: float | None = None
     """Explicit arrival rate; overrides target_batch."""
     time_scale: float = 1.0
-    policies: tuple[ProfileBase, ...] = (RoundRobinProfile(), EldrProfile(), EldrCostProfile())
+    policies: tuple[ProfileBase, ...] = (RoundRobinProfile(), PAPER_PROFILE, DEFAULT_PROFILE)
     """Routing profiles compared on the same requests: the first is the baseline; `eldr`
-    is the paper's locality band, `eldr_cost` the router's default (docs/ONLINE.md)."""
+    is the paper's locality band, `eldr_band_cost` the router's default (docs/ONLINE.md)."""
     seed: int = 0
     profile: str = DEFAULT_PROFILE_FOR_TRACES
     database_url: str | None = None
@@ -600,7 +600,7 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
         type=decode_profile,
         metavar="JSON",
         help='a routing profile to compare, e.g. \'{"policy": "eldr", "tau": 0.2}\' (repeat; '
-        "the first is the baseline; default: round_robin, eldr, eldr_cost)",
+        "the first is the baseline; default: round_robin, eldr, eldr_band_cost)",
     )
     p.add_argument(
         "--tau",

@@ -489,11 +489,17 @@ def format_report(report: ReplayReport, listed: int = 10) -> str:
     recorded = "; ".join(f"{k}: {n:,}" for k, n in report.recorded_policies.items())
     lines.append(f"recorded policies: {recorded}")
     r = report.reproduction
-    lines.append(
-        f"reproduction with the recorded configuration: {r.reproduced:,} of {r.checked:,} "
-        f"decisions reproduced ({100.0 * r.share:.2f}%); {r.needed_draw:,} depended on their "
-        "recorded tie-break/random draw"
-    )
+    if r.checked:
+        lines.append(
+            f"reproduction with the recorded configuration: {r.reproduced:,} of {r.checked:,} "
+            f"decisions reproduced ({100.0 * r.share:.2f}%) from their records; "
+            f"{r.needed_draw:,} depended on their recorded tie-break/random draw"
+        )
+    else:
+        lines.append(
+            f"reproduction with the recorded configuration: none of the {r.decisions:,} "
+            "decisions could be checked on its recorded inputs alone (see below)"
+        )
     extra = []
     if r.anchored:
         extra.append(f"{r.anchored} round-robin decisions anchored the replica cursors")
@@ -547,6 +553,13 @@ def format_report(report: ReplayReport, listed: int = 10) -> str:
         if cf.changed > min(listed, len(cf.moves)):
             lines.append(f"  ... and {cf.changed - min(listed, len(cf.moves)):,} more")
         lines.append(f"  load model: {cf.load_model}")
+        if cf.activity_model is not None:
+            lines.append(f"  activity: {cf.activity_model}")
+        if cf.candidates_only:
+            lines.append(
+                f"  {cf.candidates_only:,} decisions of a fleet-scale profile list only the "
+                "candidates they read: the what-if chose among those"
+            )
         effect = cf.modelled
         if effect is None:
             lines.append("  modelled decode effect: no decode profiles in the window")

@@ -69,6 +69,7 @@ from eldr.core.routing.decide import (
     DecisionRng,
     RouteOutcome,
     RouteRequest,
+    activity_for,
     request_demand,
     route,
 )
@@ -476,6 +477,11 @@ class CounterfactualReport:
     """The first changed decisions: request id, recorded worker, replayed worker."""
     modelled: ModelledEffect | None
     load_model: str
+    activity_model: str | None = None
+    """How the what-if got the activity a cost-aware policy reads (None: it read none)."""
+    candidates_only: int = 0
+    """Decisions recorded by a fleet-scale profile: the record lists only the candidates
+    it read, so the what-if chooses among those."""
     changed_at_s: list[float] = field(default_factory=list, repr=False)
     decided_at_s: list[float] = field(default_factory=list, repr=False)
 
@@ -765,6 +771,7 @@ class Replayer:
         changed_at: list[float] = []
         last_config: ProfileBase | None = None
         track: _ActivityTrack | None = None
+        candidates_only = 0
         self.progress.describe("what-if")
         for i, d in enumerate(decisions):
             self.progress.advance()
@@ -797,7 +804,13 @@ class Replayer:
                 if track is None:
                     track = _ActivityTrack(self._ends(decisions, default_s=None))
                 track.advance(t)
-                expert_miss = track.view(workers)
+                expert_miss = activity_for(policy, track.table, workers)
+            mean_loads = None
+            if not d.fleet and d.considered:
+                candidates_only += 1
+                live = max(d.live_workers or len(workers), 1)
+                totals = d.fleet_totals or (int(in_flight.sum()), int(kv.sum()))
+                mean_loads = (totals[0] / live, totals[1] / live)
             outcome = route(
                 request_of(d),
                 policy=policy,
@@ -809,6 +822,7 @@ class Replayer:
                 rng_seed=d.rng_seed,
                 max_scores=max(len(d.scores), 1),
                 expert_miss=expert_miss,
+                mean_loads=mean_loads,
             )
             after.append(outcome.worker_id)
             if track is not None:
@@ -863,6 +877,14 @@ class Replayer:
             ),
             moves=moves,
             modelled=modelled,
+            activity_model=(
+                None
+                if track is None
+                else "rebuilt from the replay's own assignments: a request counts on its "
+                "replayed worker from its decision until its decode profile or finish event "
+                f"(else {ACTIVITY_TTL_S:g} s); requests decided before the window are missing"
+            ),
+            candidates_only=candidates_only,
             load_model=(
                 "recorded load of each decision, corrected by the in-flight requests whose "
                 f"worker changed (in flight from decision to decode profile; "

@@ -45,8 +45,8 @@ from typing import Protocol
 import numpy as np
 
 from eldr.core.costmodel import CostProfile
-from eldr.core.routing.activity import ActivityTable, ActivityView, ExpertDemand
-from eldr.core.routing.decide import decide_view
+from eldr.core.routing.activity import ActivityInput, ActivityTable, ExpertDemand
+from eldr.core.routing.decide import activity_for, decide_view
 from eldr.core.routing.loadtable import Report
 from eldr.core.routing.pipeline import Policy
 from eldr.sim.information import (
@@ -569,12 +569,12 @@ def simulate(
                 sub = centroid_mask if seen_all else centroid_mask[seen_idx]
                 mask = None if sub.all() else sub
         demand: ExpertDemand | None = None
-        miss: ActivityView | None = None
+        miss: ActivityInput | None = None
         if track_activity and demands is not None:
             demand = demands[req_idx]
             table = activity if replica is None else replica.core.activity
             assert table is not None
-            miss = table.view(seen_ids)
+            miss = activity_for(policy if replica is None else replica.policy, table, seen_ids)
         decided = decide_view(
             policy if replica is None else replica.policy,
             workers=seen_ids,

@@ -385,6 +385,51 @@ class ActivityView:
         return np.ascontiguousarray(miss.T)
 
 
+class ActivityReader:
+    """What the marginal-union scorer reads of an `ActivityTable` for a few workers of
+    `workers`, straight from their own sums: nothing is gathered for the rest of the fleet,
+    so reading it costs the same at 16 workers as at 1,024 (a fleet-scale profile reads
+    only its band). `ActivityView` reads every worker at once instead (the older rules,
+    which weigh the whole fleet). Valid until the table changes."""
+
+    __slots__ = ("_table", "_workers", "shape")
+
+    def __init__(self, table: ActivityTable, workers: Sequence[str], shape: tuple[int, int]):
+        self._table = table
+        self._workers = workers
+        self.shape = shape
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def marginal(
+        self, demand: ExpertDemand, columns: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(U, dU) of the workers at `columns` (every worker when None): as
+        `ActivityView.marginal`, from each worker's own sums."""
+        if (demand.num_moe_layers, demand.num_experts) != self.shape:
+            raise ValueError(
+                f"a {demand.num_moe_layers} x {demand.num_experts} demand against a "
+                f"{self.shape[0]} x {self.shape[1]} activity table"
+            )
+        cols = range(len(self._workers)) if columns is None else columns.tolist()
+        held = self._table._workers
+        states = [held.get(self._workers[c]) for c in cols]
+        n = len(states)
+        union = np.zeros(n)
+        added = np.empty(n)
+        idx, layer_of = demand.idx, demand.layer_of
+        for i, state in enumerate(states):
+            if state is None:  # nothing in flight: every expert idle
+                added[i] = demand.total
+                continue
+            union[i] = state.union
+            at = state.idle.take(idx)
+            at *= state.factor.take(layer_of)
+            added[i] = demand.p_excess @ at + demand.p_base @ state.layer_idle
+        return union, added
+
+
 class RecordedActivity:
     """The activity terms a decision recorded, per worker of a replayed view: (U, dU) of the
     workers the decision scored (NaN for the others), read back by the marginal-union
@@ -415,6 +460,9 @@ class RecordedActivity:
             raise ValueError("the record holds no activity terms for a worker it scores")
         return union, added
 
+
+ActivityInput = ActivityView | ActivityReader | RecordedActivity
+"""What a decision's marginal-union scorer may read its (U, dU) from."""
 
 MAX_CELL_LISTS = 8
 """Changes to one worker between two views beyond which its whole column is copied."""
@@ -681,6 +729,13 @@ class ActivityTable:
         self._changed = {}
         self._view_generation += 1
         return ActivityView(self, self._shape, idle, factor, layer_idle, union)
+
+    def reader(self, workers: Sequence[str]) -> ActivityReader | None:
+        """What a fleet-scale decision reads of `workers` (`ActivityReader`: only the
+        workers it asks about are read); None before any demand was added."""
+        if self._shape is None:
+            return None
+        return ActivityReader(self, workers, self._shape)
 
     def miss_view(self, workers: Sequence[str]) -> np.ndarray | None:
         """float64 [len(workers), L * E]: P(expert idle in each worker's next step), a

@@ -52,10 +52,9 @@ from eldr.core.partition.partition import Partition
 from eldr.core.routing.activity import (
     DEFAULT_MAX_ENTRIES,
     DEFAULT_TTL_S,
+    ActivityInput,
     ActivityTable,
-    ActivityView,
     ExpertDemand,
-    RecordedActivity,
     request_expert_demand,
 )
 from eldr.core.routing.loadtable import LoadTable
@@ -255,6 +254,19 @@ def has_centroid(partition: Partition | None, workers: tuple[str, ...]) -> np.nd
     return None if mask.all() else mask
 
 
+def activity_for(
+    policy: Policy, table: ActivityTable | None, workers: tuple[str, ...]
+) -> ActivityInput | None:
+    """What `policy` reads of `table` for a decision over `workers`: nothing for a policy
+    that reads no activity, a reader of the few workers it scores for a fleet-scale one, a
+    view of every worker otherwise."""
+    if table is None or not policy.uses_activity:
+        return None
+    if isinstance(policy, PipelinePolicy) and policy.fleet_scale:
+        return table.reader(workers)
+    return table.view(workers)
+
+
 def decide_view(
     policy: Policy,
     *,
@@ -264,7 +276,7 @@ def decide_view(
     rng: np.random.Generator,
     scores: np.ndarray | None = None,
     has_centroid: np.ndarray | None = None,
-    expert_miss: ActivityView | RecordedActivity | None = None,
+    expert_miss: ActivityInput | None = None,
     demand: ExpertDemand | None = None,
     fallback: str | None = None,
     mean_loads: tuple[float, float] | None = None,
@@ -310,7 +322,7 @@ def route(
     rng: np.random.Generator,
     rng_seed: int | None = None,
     max_scores: int = 8,
-    expert_miss: ActivityView | RecordedActivity | None = None,
+    expert_miss: ActivityInput | None = None,
     demand: ExpertDemand | None = None,
     scores: np.ndarray | None = None,
     mean_loads: tuple[float, float] | None = None,
@@ -585,13 +597,13 @@ class RouterCore:
         in_flight, kv = self.table.loads(live)
         seed = int(self.rng.integers(SEED_LIMIT))
         demand: ExpertDemand | None = None
-        miss: ActivityView | None = None
+        miss: ActivityInput | None = None
         if self.policy.uses_activity:
             demand = request_demand(self.profile, req)
             self._decided_demands[req.request_id] = demand
             while len(self._decided_demands) > DEMAND_CACHE:
                 self._decided_demands.popitem(last=False)
-            miss = self.activity.view(live)
+            miss = activity_for(self.policy, self.activity, live)
         return route(
             req,
             policy=self.policy,

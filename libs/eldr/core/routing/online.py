@@ -48,7 +48,14 @@ from eldr.core.partition.partition import (
     occupancy_skew,
 )
 from eldr.core.routing.activity import ActivityTable, expected_union, expert_demand
-from eldr.core.routing.decide import SEED_LIMIT, DecisionRng, RouteRequest, request_demand, route
+from eldr.core.routing.decide import (
+    SEED_LIMIT,
+    DecisionRng,
+    RouteRequest,
+    activity_for,
+    request_demand,
+    route,
+)
 from eldr.core.routing.pipeline import make_policy
 from eldr.core.routing.profile import ProfileBase
 
@@ -313,7 +320,7 @@ def shadow_assignment(
             in_flight=in_flight.copy(),
             kv_tokens=kv.copy(),
             rng=rngs.seeded(seeds[i]),
-            expert_miss=None if activity is None else activity.view(live),
+            expert_miss=activity_for(policy, activity, live),
             demand=demand,
         )
         j = col[outcome.worker_id]

@@ -38,7 +38,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from eldr.core.routing.activity import ActivityView, ExpertDemand, RecordedActivity
+from eldr.core.routing.activity import ActivityInput, ExpertDemand
 from eldr.core.routing.profile import (
     AllLive,
     Band,
@@ -99,7 +99,7 @@ class FleetView:
     kv_tokens: np.ndarray
     scores: np.ndarray | None = None
     has_centroid: np.ndarray | None = None
-    expert_miss: ActivityView | RecordedActivity | None = None
+    expert_miss: ActivityInput | None = None
     demand: ExpertDemand | None = None
     mean_loads: tuple[float, float] | None = None
 
