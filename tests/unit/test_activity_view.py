@@ -54,6 +54,33 @@ def test_the_sparse_marginal_is_the_dense_one(
     assert added[3] == pytest.approx(demand.total, rel=1e-12)
 
 
+@settings(max_examples=60)
+@given(
+    st.lists(st.tuples(nonzero_counts_st, st.integers(0, 2)), min_size=1, max_size=8),
+    nonzero_counts_st,
+    st.lists(st.integers(0, 3), min_size=1, max_size=4, unique=True),
+)
+def test_a_reader_of_a_few_workers_reads_what_the_view_of_all_reads(
+    held: list[tuple[np.ndarray, int]], request: np.ndarray, asked: list[int]
+) -> None:
+    """A fleet-scale decision reads only its band (`ActivityTable.reader`): the same U and
+    dU as the view of every worker, up to the order of float sums."""
+    table = ActivityTable()
+    workers = ["w0", "w1", "w2", "idle"]
+    for i, (counts, worker) in enumerate(held):
+        table.add(workers[worker], f"r{i}", expert_demand(counts), 0.0)
+    demand = expert_demand(request)
+    columns = np.array(sorted(asked))
+    reader = table.reader(workers)
+    assert reader is not None
+    union, added = reader.marginal(demand, columns)
+    view = table.view(workers)
+    assert view is not None
+    all_union, all_added = view.marginal(demand)
+    np.testing.assert_allclose(union, all_union[columns], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(added, all_added[columns], rtol=1e-12, atol=1e-12)
+
+
 def test_idle_workers_cost_exactly_the_same() -> None:
     # Ties between idle workers are broken by the decision's seed: their costs must be
     # equal to the last bit, whatever else the table holds.

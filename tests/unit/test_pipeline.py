@@ -279,7 +279,7 @@ def test_the_named_profiles_are_pipelines() -> None:
     assert JsqProfile().pipeline.candidates == AllLive()
     assert EldrProfile().pipeline.filters == (Band(),)
     assert DEFAULT_PROFILE.pipeline.describe() == (
-        "nearest(k 32) | load_ceiling(slack 0.2) | band(tau 0.1, widen_to 2) | "
+        "nearest(k 16) | load_ceiling(slack 0.2) | band(tau 0.1, widen_to 2) | "
         "marginal_union(weight 1) | cheapest(tolerance 1e-09)"
     )
     assert msgspec.json.decode(encode_profile(DEFAULT_PROFILE))["policy"] == "eldr_band_cost"

@@ -215,7 +215,7 @@ def test_the_default_records_only_its_candidates_and_the_fleet_totals() -> None:
     d = record(core, RouteRequest("q", "m", 10, counts(1)), T0)
     assert d.fleet == []
     assert d.loads == []
-    assert [row[0] for row in d.considered] == ["d0", "d1", "d2", "d3"]  # k 32 > 4 workers
+    assert [row[0] for row in d.considered] == ["d0", "d1", "d2", "d3"]  # k 16 > 4 workers
     assert d.live_workers == 4
     assert d.fleet_totals == (4, 400)
     assert d.band == ["d1", "d3"] or d.worker_id in d.band

@@ -180,28 +180,33 @@ class CentroidIndex:
         the reduced coordinates, not with the number of centroids."""
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
-        query = self._as_queries(q, single=True)[0]
+        return self.nearest_unit(self._as_queries(q, single=True)[0], k)
+
+    def nearest_unit(self, query: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """`nearest` for a query the caller already made a finite unit float32 [dim] vector
+        (the router's signatures are), without checking it again."""
         m = self.num_centroids
         if m <= k:
-            ids = np.arange(m)
+            sims = self._centroids @ query
+            order = np.argsort(-sims, kind="stable")  # ties: lower id first
+            return order.astype(np.int64), sims[order].astype(np.float32)
+        want = min(m, 2 * k)
+        # Dense products: numpy gathers scattered cells far slower than it multiplies.
+        reduced = query @ self._basis
+        if self._hnsw is not None:
+            self._hnsw.set_ef(max(self._ef_search, want))
+            labels, _ = self._hnsw.knn_query(reduced[None, :], k=want, num_threads=1)
+            ids = np.sort(labels[0].astype(np.int64))
         else:
-            want = min(m, 2 * k)
-            reduced = query @ self._basis
-            if self._hnsw is not None:
-                self._hnsw.set_ef(max(self._ef_search, want))
-                labels, _ = self._hnsw.knn_query(reduced[None, :], k=want, num_threads=1)
-                ids = labels[0].astype(np.int64)
-            else:
-                coarse = self._reduced @ reduced
-                ids = np.argpartition(-coarse, want - 1)[:want]
-        sims = self._centroids[ids] @ query
-        order = np.lexsort((ids, -sims))[:k]
-        return ids[order].astype(np.int64), sims[order].astype(np.float32)
+            ids = np.sort(np.argpartition(-(self._reduced @ reduced), want - 1)[:want])
+        sims = self._centroids.take(ids, axis=0) @ query  # exactly, the retrieved only
+        order = np.argsort(-sims, kind="stable")[:k]
+        return ids[order], sims[order].astype(np.float32)
 
     def nearest_workers(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """(worker slots, their scores): the owners of the k centroids nearest q, each
-        scored by its best retrieved centroid, best first."""
-        ids, sims = self.nearest(q, k)
+        """(worker slots, their scores): the owners of the k centroids nearest the unit
+        query q, each scored by its best retrieved centroid, best first."""
+        ids, sims = self.nearest_unit(q, k)
         slots = self._owners[ids]
         if self._identity:
             return slots, sims

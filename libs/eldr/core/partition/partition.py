@@ -155,13 +155,23 @@ class Partition:
         out[owned] = scores[slots[owned]]
         return out
 
-    def nearest_for(self, counts: np.ndarray, candidates: Sequence[str], k: int) -> np.ndarray:
+    def nearest_for(
+        self,
+        counts: np.ndarray,
+        candidates: Sequence[str],
+        k: int,
+        cells: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> np.ndarray:
         """Scores of `candidates` (live workers) for the owners of the `k` centroids nearest
         the request (`CentroidIndex.nearest`), -inf for every other worker: the work grows
         with k, not with the partition or the fleet (one pass over the candidate slots in
-        numpy aside). A zero signature scores -inf everywhere."""
+        numpy aside). A zero signature scores -inf everywhere. `cells`: the request's
+        non-zero cells (flat indices, counts), if the caller has them (`apply_cells`)."""
         out = np.full(len(candidates), -np.inf, dtype=np.float32)
-        sig = self.signature(counts)
+        if cells is None:
+            sig = self.signature(counts)
+        else:
+            sig = self.calibration.apply_cells(*cells)
         if not np.any(sig):
             return out
         slots, sims = self._index.nearest_workers(sig, k)

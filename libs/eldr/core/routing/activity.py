@@ -159,14 +159,39 @@ def request_expert_demand(
     (`estimate_top_k`, capped at E); None when every count is zero. One pass over the
     counts (the router's path: about 3,000 cells, a few percent of them non-zero)."""
     c = _counts_2d(counts)
+    return demand_from_cells(
+        c.shape, cells_of(c), prompt_tokens, top_k=top_k, prior_tokens=prior_tokens
+    )
+
+
+Cells = tuple[np.ndarray, np.ndarray, np.ndarray]
+"""A request's non-zero counts: (flat indices layer * E + expert, ascending, int64; their
+counts, float64; the per-layer totals, float64)."""
+
+
+def cells_of(counts: np.ndarray) -> Cells:
+    """The non-zero cells of counts [L, E] (`Cells`); ValueError for negative counts."""
+    return _nonzero_cells(_counts_2d(counts))
+
+
+def demand_from_cells(
+    shape: tuple[int, ...],
+    cells: Cells,
+    prompt_tokens: int,
+    *,
+    top_k: int = 0,
+    prior_tokens: float = 1.0,
+) -> ExpertDemand | None:
+    """`request_expert_demand` of a request given as its non-zero cells (`cells_of`), so
+    that a decision extracts them once for its demand and its signature."""
     if prior_tokens <= 0:
         raise ValueError(f"prior_tokens must be positive, got {prior_tokens}")
-    idx, vals, totals = _nonzero_cells(c)
+    idx, vals, totals = cells
     if not idx.size:
         return None
     if top_k <= 0:
         top_k = 1 if prompt_tokens <= 0 else max(1, round(float(totals.max()) / prompt_tokens))
-    return _demand(c.shape, idx, vals, totals, min(top_k, c.shape[1]), prior_tokens)
+    return _demand(shape, idx, vals, totals, min(top_k, shape[1]), prior_tokens)
 
 
 def _counts_2d(counts: np.ndarray) -> np.ndarray:
@@ -415,18 +440,19 @@ class ActivityReader:
         cols = range(len(self._workers)) if columns is None else columns.tolist()
         held = self._table._workers
         states = [held.get(self._workers[c]) for c in cols]
-        n = len(states)
-        union = np.zeros(n)
-        added = np.empty(n)
-        idx, layer_of = demand.idx, demand.layer_of
-        for i, state in enumerate(states):
-            if state is None:  # nothing in flight: every expert idle
-                added[i] = demand.total
-                continue
-            union[i] = state.union
-            at = state.idle.take(idx)
-            at *= state.factor.take(layer_of)
-            added[i] = demand.p_excess @ at + demand.p_base @ state.layer_idle
+        busy = [i for i, state in enumerate(states) if state is not None]
+        active = [state for state in states if state is not None]
+        union = np.zeros(len(states))
+        added = np.full(len(states), demand.total)  # an idle worker: every expert is new
+        if busy:
+            # One gather per worker (its idle probabilities at the request's cells), then
+            # the products for all of them at once.
+            at = np.stack([state.idle.take(demand.idx) for state in active])
+            factor = np.stack([state.factor for state in active])
+            at *= factor.take(demand.layer_of, axis=1)
+            idle = np.stack([state.layer_idle for state in active])
+            added[busy] = at @ demand.p_excess + idle @ demand.p_base
+            union[busy] = [state.union for state in active]
         return union, added
 
 

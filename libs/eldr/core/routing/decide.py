@@ -54,8 +54,10 @@ from eldr.core.routing.activity import (
     DEFAULT_TTL_S,
     ActivityInput,
     ActivityTable,
+    Cells,
     ExpertDemand,
-    request_expert_demand,
+    cells_of,
+    demand_from_cells,
 )
 from eldr.core.routing.loadtable import LoadTable
 from eldr.core.routing.pipeline import Choice, FleetView, PipelinePolicy, Policy, make_policy
@@ -111,6 +113,15 @@ class RouteRequest:
     counts: np.ndarray | None = None
     missing_blocks: int = 0
     signature_error: str | None = None
+
+    def cells(self) -> Cells | None:
+        """The non-zero cells of `counts` (`cells_of`), extracted once per request (its
+        demand and its signature read them); None without counts."""
+        cached: Cells | None = self.__dict__.get("_cells")
+        if cached is None and self.counts is not None:
+            cached = cells_of(self.counts)
+            object.__setattr__(self, "_cells", cached)
+        return cached
 
 
 class Considered(NamedTuple):
@@ -228,7 +239,10 @@ def locality_scores(
     if not np.any(req.counts):
         return None, "empty_signature"
     if nearest is not None:
-        scores = partition.nearest_for(req.counts, live, nearest)
+        cells = req.cells()
+        scores = partition.nearest_for(
+            req.counts, live, nearest, None if cells is None else cells[:2]
+        )
     else:
         scores = partition.scores_for(req.counts, live, tau=tau)
     if not np.isfinite(scores).any():
@@ -243,7 +257,11 @@ def request_demand(profile: ProfileBase, req: RouteRequest) -> ExpertDemand | No
     if counts is None or counts.ndim != 2 or counts.size == 0:
         return None
     top_k, prior = profile.demand_model
-    return request_expert_demand(counts, req.prompt_tokens, top_k=top_k, prior_tokens=prior)
+    cells = req.cells()
+    assert cells is not None
+    return demand_from_cells(
+        counts.shape, cells, req.prompt_tokens, top_k=top_k, prior_tokens=prior
+    )
 
 
 def has_centroid(partition: Partition | None, workers: tuple[str, ...]) -> np.ndarray | None:
@@ -417,21 +435,38 @@ def _considered(
     kv_tokens: np.ndarray,
     scores: np.ndarray | None,
 ) -> tuple[Considered, ...]:
-    """The candidates' rows of a decision, in live-worker order."""
-    terms: dict[int, tuple[float, float]] = {}
-    if choice.activity is not None:
-        union, added = choice.activity
-        terms = dict(
-            zip(choice.scored, zip(union.tolist(), added.tolist(), strict=True), strict=True)
+    """The candidates' rows of a decision, in live-worker order (both index lists are
+    ascending, so the scored ones are found by a search, not a dict per decision)."""
+    cand = np.asarray(choice.candidates, dtype=np.int64)
+    n = cand.size
+    none: list[float | None] = [None] * n
+    score_of = none
+    if scores is not None:
+        at = scores[cand]
+        score_of = [s if s != -np.inf else None for s in at.tolist()]
+    union_of, added_of = none, none
+    if choice.activity is not None and choice.scored:
+        pos = np.searchsorted(cand, np.asarray(choice.scored, dtype=np.int64))
+        union_of, added_of = list(none), list(none)
+        for p, u, a in zip(
+            pos.tolist(), choice.activity[0].tolist(), choice.activity[1].tolist(), strict=True
+        ):
+            union_of[p], added_of[p] = u, a
+    names = [workers[i] for i in choice.candidates]
+    return tuple(
+        map(
+            Considered._make,
+            zip(
+                names,
+                in_flight[cand].tolist(),
+                kv_tokens[cand].tolist(),
+                score_of,
+                union_of,
+                added_of,
+                strict=True,
+            ),
         )
-    rows = []
-    for i in choice.candidates:
-        score = None
-        if scores is not None and np.isfinite(scores[i]):
-            score = float(scores[i])
-        u, a = terms.get(i, (None, None))
-        rows.append(Considered(workers[i], int(in_flight[i]), int(kv_tokens[i]), score, u, a))
-    return tuple(rows)
+    )
 
 
 class RouterCore:

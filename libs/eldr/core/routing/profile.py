@@ -129,6 +129,11 @@ class AllLive(Stage, frozen=True, tag="all_live"):
 NearestK = Annotated[int, Meta(ge=1, le=4096)]
 
 
+NEAREST_K = 16
+"""Centroids the default retrieves per decision: every worker of the paper's main setup
+(16 decoders), and what bounds the work of a decision in a larger fleet."""
+
+
 class NearestCentroids(Stage, frozen=True, tag="nearest"):
     """The live owners of the `k` centroids nearest the request's signature, found through
     the partition's centroid index (hnswlib from a few hundred centroids on, an exact product
@@ -138,7 +143,7 @@ class NearestCentroids(Stage, frozen=True, tag="nearest"):
 
     requires_scores: ClassVar[bool] = True
     reads_scores: ClassVar[bool] = True
-    k: NearestK = 32
+    k: NearestK = NEAREST_K
 
 
 DrawCount = Annotated[int, Meta(ge=1, le=2)]
@@ -473,7 +478,7 @@ class EldrBandCostProfile(_CostAware, frozen=True, tag="eldr_band_cost"):
     """Workers a single-member band widens to (the paper's)."""
     slack: Slack = 0.2
     """Load ceiling: at most (1 + slack) x the live fleet's mean load + 1."""
-    nearest: NearestK = 32
+    nearest: NearestK = NEAREST_K
     """Centroids retrieved per decision (the band holds at most this many scored workers)."""
     prior_tokens: PriorTokens = PRIOR_TOKENS
     """Pseudo-tokens the demand prediction is smoothed with (`PRIOR_TOKENS`)."""

@@ -249,6 +249,7 @@ class Calibration:
     layer_mask: np.ndarray
     _cols: np.ndarray = field(init=False, repr=False)
     _weights: np.ndarray | None = field(init=False, repr=False)
+    _col_of: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         L, E = self.num_moe_layers, self.num_experts
@@ -280,6 +281,9 @@ class Calibration:
         cols = (np.flatnonzero(mask)[:, None] * E + np.arange(E)[None, :]).ravel()
         object.__setattr__(self, "_cols", cols)
         object.__setattr__(self, "_weights", None if idf is None else idf[cols])
+        col_of = np.full(L * E, -1, dtype=np.int64)
+        col_of[cols] = np.arange(cols.size)
+        object.__setattr__(self, "_col_of", col_of)
 
     @property
     def dim(self) -> int:
@@ -324,6 +328,22 @@ class Calibration:
         norms = np.sqrt(np.einsum("nk,nk->n", x, x, dtype=np.float64)).astype(np.float32)
         np.divide(x, norms[:, None], out=x, where=norms[:, None] > 0)
         return x[0] if single else x
+
+    def apply_cells(self, idx: np.ndarray, vals: np.ndarray) -> np.ndarray:
+        """`apply` of one request given as its non-zero cells (flat indices into [L * E],
+        in range, and their counts): the unit float32 signature [dim], touching only the
+        cells the prompt routed to (the router's path)."""
+        cols = self._col_of[idx]
+        kept = cols >= 0
+        out = np.zeros(self._cols.size, dtype=np.float32)
+        x = vals[kept].astype(np.float32)
+        if self._weights is not None:
+            x *= self.idf[idx[kept]]  # type: ignore[index]
+        wide = x.astype(np.float64)
+        norm = np.float32(np.sqrt(wide @ wide))
+        if norm > 0:
+            out[cols[kept]] = x / norm
+        return out
 
     def to_arrays(self) -> dict[str, np.ndarray | int | str]:
         """Plain dict of numpy arrays and scalars for persistence and the wire."""
