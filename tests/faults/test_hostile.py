@@ -400,9 +400,17 @@ async def test_one_small_event_declaring_a_huge_geometry_allocates_nothing(
     )
     forged = prefill_done("huge-0", num_moe_layers=256, num_experts=65_536, computed=huge)
     size = len(msgspec.msgpack.encode(forged))
+    # A profile that reads every request's signature without a partition (the default
+    # needs one to read it): the later events show they are still decided with theirs.
     async with (
         reporting(bus, ["d0", "d1"]),
-        service("router", bus.settings, tmp_path, ELDR_STALE_AFTER_S="2") as router,
+        service(
+            "router",
+            bus.settings,
+            tmp_path,
+            ELDR_STALE_AFTER_S="2",
+            ELDR_ROUTING_PROFILE='{"policy": "eldr_cost"}',
+        ) as router,
     ):
         warm = [f"warm-{i:02d}" for i in range(20)]
         for rid in warm:
