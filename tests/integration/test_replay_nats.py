@@ -1,7 +1,8 @@
 """Record a window of real routing decisions on NATS, then replay, explain, export and
 import it.
 
-The routing service runs in-process (two replicas, ELDR policy) against stand-in decode
+The routing service runs in-process (two replicas, the default profile: the partition's band
+and the activity table) against stand-in decode
 workers that take every decision, hold each request for a while, report their loads and
 publish a decode profile when a request finishes. The window (1,200 decisions) is recorded
 once per module; every test reads it back from JetStream or from an export of it.
@@ -192,9 +193,7 @@ async def record_window(settings: BusSettings, retention: RetentionSettings) -> 
             stop, ready = asyncio.Event(), asyncio.Event()
             s = RouterSettings(
                 **base,
-                instance_id=rid,
-                policy="eldr",
-                tau=0.1,
+                instance_id=rid,  # the routers' default profile
                 stale_after_s=2.0,
                 pending_ttl_s=1.0,
                 signature_timeout_s=0.05,

@@ -661,8 +661,6 @@ class Replayer:
         for i, d in enumerate(decisions):
             self.progress.advance()
             report.decisions += 1
-            if needed_draw(d):
-                report.needed_draw += 1
             profile = profiles[i]
             expert_miss = None
             if track is not None:
@@ -691,6 +689,13 @@ class Replayer:
                 policy,
                 expert_miss=expert_miss,
             )
+            choice = None if result.outcome is None else result.outcome.choice
+            if result.status == "reproduced" and choice is not None and d.considered:
+                # The stages were re-run on exactly what they read: their ties are known.
+                drew = len(choice.tied) > 1 or (profile is not None and profile.draws)
+            else:
+                drew = needed_draw(d)
+            report.needed_draw += drew
             # Activity rebuilt from the window (records before v4): counted apart.
             uses_activity = (
                 profile is not None and profile.uses_activity and recorded_inputs(d) is None
