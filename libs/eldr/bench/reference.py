@@ -97,6 +97,7 @@ class LockstepModel:
         # A sweep at step s holds arrivals starting before s + 2 x max_tokens (those a move at
         # s can touch, swap partners included), so their steps lie in [s, s + 3 x max_tokens).
         self._ring_steps = 3 * self._max_tokens + 1
+        self._rings: dict[int, np.ndarray] = {}
 
     def _pairs(self, arrival: int) -> tuple[np.ndarray, np.ndarray]:
         """The arrival's distinct (absolute step, id) pairs."""
@@ -104,8 +105,12 @@ class LockstepModel:
         return int(self.first_step[arrival]) + self._steps[r], self._ids[r]
 
     def _ring_index(self, arrival: int) -> np.ndarray:
-        steps, ids = self._pairs(arrival)
-        out: np.ndarray = (steps % self._ring_steps) * self.slots + ids
+        """The arrival's rows in a sweep's ring (kept: every pass and start asks again)."""
+        out = self._rings.get(arrival)
+        if out is None:
+            steps, ids = self._pairs(arrival)
+            out = (steps % self._ring_steps) * self.slots + ids
+            self._rings[arrival] = out
         return out
 
     def batches(self, assignment: np.ndarray) -> np.ndarray:
@@ -227,9 +232,12 @@ class _Sweep:
             if s - self.cleared_to >= m._ring_steps:
                 ring[:] = 0
             else:
-                for t in range(self.cleared_to, s):
-                    row = (t % m._ring_steps) * m.slots
-                    ring[row : row + m.slots] = 0
+                lo, hi = self.cleared_to % m._ring_steps, s % m._ring_steps
+                if lo < hi:
+                    ring[lo * m.slots : hi * m.slots] = 0
+                else:  # the cleared steps wrap around the ring's end
+                    ring[lo * m.slots :] = 0
+                    ring[: hi * m.slots] = 0
             self.cleared_to = s
         horizon = s + 2 * m._max_tokens
         while self.added < self.by_start.size:

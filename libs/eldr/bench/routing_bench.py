@@ -574,13 +574,16 @@ def summarize_rate(
             "copies_same_worker_share": e["copies_same_worker_share"],
         }
         if bound is not None and e is not bound:
+            # The reference minimises the expert loads its arrivals' decode tokens stream
+            # (union per token); union per step also moves with how requests are packed
+            # into steps, which the search ignores: shares are of the per-token cut.
             v["share_of_reference"] = _share(
-                union["expert_union_mean"], e["expert_union_mean"], bound["expert_union_mean"]
-            )
-            v["share_of_reference_per_token"] = _share(
                 per_token["expert_union_per_token"],
                 e["expert_union_per_token"],
                 bound["expert_union_per_token"],
+            )
+            v["share_of_reference_per_step"] = _share(
+                union["expert_union_mean"], e["expert_union_mean"], bound["expert_union_mean"]
             )
         return v
 
@@ -620,7 +623,7 @@ def summarize_rate(
         out["reference_beaten_by"] = sorted(
             r["policy"]
             for r in rows
-            if r is not bound and r["expert_union_mean"] < bound["expert_union_mean"]
+            if r is not bound and r["expert_union_per_token"] < bound["expert_union_per_token"]
         )
     return out
 
@@ -879,7 +882,7 @@ def format_summary(summary: dict[str, Any]) -> list[str]:
     """The per-target summary rows as text: each metric against its own best baseline."""
     lines = [
         f"summary ({summary['profile']}): each metric against the load-only baseline best "
-        "at it; share = the policy's union cut / the reference's",
+        "at it; share = the policy's cut of the union per token / the reference's",
     ]
     for t in summary.get("by_target", []):
         if "best_baseline" not in t:

@@ -492,7 +492,7 @@ def format_report(report: ReplayReport, listed: int = 10) -> str:
     if r.checked:
         lines.append(
             f"reproduction with the recorded configuration: {r.reproduced:,} of {r.checked:,} "
-            f"decisions reproduced ({100.0 * r.share:.2f}%) from their records; "
+            f"decisions reproduced ({100.0 * r.share:.2f}%); "
             f"{r.needed_draw:,} depended on their recorded tie-break/random draw"
         )
     else:
