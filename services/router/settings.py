@@ -92,6 +92,23 @@ class RouterSettings(CommonSettings, GeometrySettings, RoutingSettings):
     no_worker_retry_s: float = Field(
         default=1.0, gt=0, description="Redelivery delay after that wait."
     )
+    commit_timeout_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="Deadline of one try to commit a decision (or read a committed one): "
+        "a try that gets no answer in time (the stream's leader is dead or hangs) is "
+        "retried, see commit_retry_s.",
+    )
+    commit_retry_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="How long a router keeps retrying a commit (or a read of one) that "
+        "fails for an expected reason of a NATS cluster (a leader election, a node restart "
+        "or hang, no quorum: a timeout, no responders, 503), with a jittered backoff (50 ms "
+        "doubling to 1 s), holding the event and telling JetStream it is in progress, so "
+        "the fault spends none of its router_max_deliver deliveries. After that the event "
+        "goes back to JetStream (one delivery spent).",
+    )
     index_method: Literal["auto", "exact", "hnsw"] = Field(
         default="auto", description="Centroid search: hnswlib, exact, or auto by centroid count."
     )

