@@ -62,6 +62,7 @@ from eldr.wire.messages import NO_WORKER
 
 from .load_metrics import LoadTableCollector
 from .metrics import RouterMetrics
+from .rebuild import rebuild_at_start
 from .settings import RouterSettings
 
 log = logging.getLogger(__name__)
@@ -436,6 +437,7 @@ class RouterService:
                 ),
                 AssembleReply,
                 timeout_s=self.settings.signature_timeout_s,
+                hedge_after_s=self.settings.signature_hedge_s,
             )
         except BusTimeoutError:
             reason = "signature_timeout"
@@ -683,6 +685,9 @@ async def setup(ctx: ServiceContext[RouterSettings]) -> None:
         svc.on_announcement,
     )
     await replay.wait_caught_up(timeout_s=30)
+    # What is in flight, before the first event: a restarted replica decides like the
+    # others (issue 23).
+    await rebuild_at_start(ctx, svc.core, topo)
     await bus.serve(subjects.control_router, None, RouterControl, svc.on_control)
     await bus.consume(
         topo.stream_name(PREFILL),

@@ -327,6 +327,51 @@ async def test_request_reply_round_trip(bus: Bus) -> None:
     assert (reply.request_id, reply.blocks_total, reply.missing) == ("r", 2, [5, 6])
 
 
+async def test_a_hedged_request_is_answered_when_a_queue_member_never_answers(
+    bus_factory,
+) -> None:
+    """One member of the queue group hangs (as one on a frozen NATS node): a hedged request
+    sends its copies on, and another member answers each one within the timeout."""
+    registry = CollectorRegistry()
+    client = await bus_factory("client", registry=registry)
+    silent = await bus_factory("silent")
+    hung = asyncio.Event()
+
+    async def never(request: AssembleRequest) -> AssembleReply:
+        await hung.wait()  # answers only after the test (too late for any request)
+        return await assemble(request)
+
+    async def assemble(request: AssembleRequest) -> AssembleReply:
+        return AssembleReply(
+            request_id=request.request_id,
+            counts=None,
+            blocks_total=0,
+            blocks_found=0,
+            missing=[],
+        )
+
+    await silent.serve(client.subjects.sig_assemble, "signature", AssembleRequest, never)
+    for i in range(3):
+        member = await bus_factory(f"member{i}")
+        await member.serve(client.subjects.sig_assemble, "signature", AssembleRequest, assemble)
+    answered = []
+    for n in range(20):
+        reply = await client.request(
+            client.subjects.sig_assemble,
+            AssembleRequest(
+                request_id=f"r{n}", model="m", block_hashes=[], partial=None, wait_ms=0
+            ),
+            AssembleReply,
+            timeout_s=1.0,
+            hedge_after_s=0.05,
+        )
+        answered.append(reply.request_id)
+    hung.set()
+    assert answered == [f"r{n}" for n in range(20)]
+    hedged = registry.get_sample_value("eldr_bus_requests_hedged_total", {"family": "sig.assemble"})
+    assert (hedged or 0) >= 1  # some first copies went to the silent member
+
+
 async def test_bad_request_gets_error_reply_and_is_counted(bus_factory, topology: Topology) -> None:
     registry = CollectorRegistry()
     server = await bus_factory("server", registry=registry)

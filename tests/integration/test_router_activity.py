@@ -14,7 +14,7 @@ import aiohttp
 import numpy as np
 import pytest
 
-from eldr.bus import Bus
+from eldr.bus import Bus, Topology, apply_topology
 from eldr.core.routing.profile import EldrCostProfile
 from eldr.settings import BusSettings, RetentionSettings
 from eldr.wire import (
@@ -239,3 +239,70 @@ async def test_a_workers_activity_is_capped_by_its_in_flight_requests(
         per_worker = 'eldr_router_worker_activity_requests{worker="d1"}'
         assert await metric(port, per_worker) == 5
         assert await metric(port, "eldr_router_activity_bytes") > 0
+
+
+async def worker_activity(port: int) -> dict[str, float]:
+    """Per worker, the activity entries a router holds."""
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(f"http://127.0.0.1:{port}/metrics") as response,
+    ):
+        text = await response.text()
+    found = re.findall(
+        r'^eldr_router_worker_activity_requests\{worker="([^"]+)"\} (\S+)$', text, re.MULTILINE
+    )
+    return {worker: float(value) for worker, value in found if float(value)}
+
+
+async def test_a_new_replica_rebuilds_what_is_in_flight_before_it_takes_events(
+    bus: Bus, bus_settings: BusSettings, retention: RetentionSettings, topology: Topology
+) -> None:
+    """Issue 23: a replica that starts (or restarts) while requests are in flight counts
+    them from the streams before it takes events, so it sees what the replica that never
+    stopped sees, instead of idle workers."""
+    await apply_topology(bus, topology)
+    port_a, port_b = free_port(), free_port()
+
+    def settings(port: int, instance: str) -> RouterSettings:
+        return RouterSettings(
+            **(bus_settings.model_dump() | retention.model_dump()),
+            signature_timeout_s=0.05,
+            stale_after_s=2.0,
+            metrics_port=port,
+            instance_id=instance,
+        )
+
+    room = {"d0": 40, "d1": 40}  # the per-worker bound keeps every entry
+    async with reporting(bus, room, period_s=0.1), running_router(settings(port_a, "a")):
+        routed = [await route(bus, f"r{n}", (n % 4, (n + 1) % 4)) for n in range(30)]
+        for decision in routed[:10]:  # the gateway saw these end
+            await gateway_says_finished(bus, decision.request_id, decision.worker_id)
+        # One moved to the other worker before it started there.
+        moved = routed[10]
+        other = "d1" if moved.worker_id == "d0" else "d0"
+        await bus.publish(
+            bus.subjects.finished("gw0"),
+            RequestFinished(
+                request_id=moved.request_id,
+                gateway_id="gw0",
+                ts_s=time.time(),
+                reason="moved",
+                worker_id=moved.worker_id,
+                moved_to=other,
+            ),
+        )
+        await wait_for_activity(port_a, 20)
+        expected = await worker_activity(port_a)
+        async with running_router(settings(port_b, "b")):
+            ready = time.monotonic()
+            # Per worker once B has its first load reports (every 0.1 s): within 1 s.
+            while set(rebuilt := await worker_activity(port_b)) != set(expected):
+                assert time.monotonic() - ready < 1.0, rebuilt
+                await asyncio.sleep(0.02)
+            in_flight = await metric(port_b, "eldr_router_rebuild_in_flight_requests")
+            complete = await metric(port_b, "eldr_router_rebuild_complete")
+            took_s = await metric(port_b, "eldr_router_rebuild_seconds")
+    print(f"\nrebuilt {in_flight:.0f} requests in flight in {took_s:.3f} s: {rebuilt}")
+    assert sum(expected.values()) == 20
+    assert rebuilt == expected
+    assert (in_flight, complete) == (20, 1)

@@ -751,18 +751,62 @@ class Bus:
         reply_type: type[R],
         *,
         timeout_s: float | None = None,
+        hedge_after_s: float | None = None,
     ) -> R:
         """Send a request and wait for one reply.
+
+        `hedge_after_s`: while no reply has come, send the request again every this many
+        seconds (to a queue group: each copy goes to a member the server picks, so a member
+        that does not answer, e.g. on a hung server, costs one hedge delay, not the whole
+        timeout); the first reply of any copy is taken, within `timeout_s` overall.
 
         Raises BusTimeoutError, NoRespondersError, RemoteError (the server answered with an
         error) or WireError (the reply is not a valid `reply_type`).
         """
         timeout = timeout_s or self._settings.request_timeout_s
+        data = encode(message)
+        family = self.subjects.family(subject)
         with _translated(f"request on {subject}"):
-            response = await self._nc.request(subject, encode(message), timeout=timeout)
-        self.metrics.published.labels(self.subjects.family(subject), "core").inc()
+            if hedge_after_s is None or hedge_after_s >= timeout:
+                response = await self._nc.request(subject, data, timeout=timeout)
+                self.metrics.published.labels(family, "core").inc()
+            else:
+                response = await self._hedged_request(subject, data, timeout, hedge_after_s)
         _raise_remote_error(response)
         return decode(response.data, reply_type, self._settings.max_payload_bytes)
+
+    async def _hedged_request(
+        self, subject: str, data: bytes, timeout_s: float, hedge_after_s: float
+    ) -> Msg:
+        """The first answer to copies of a request sent every `hedge_after_s` (nats errors
+        raised as they are: the caller translates them)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        family = self.subjects.family(subject)
+        tries: set[asyncio.Future[Msg]] = set()
+        last_error: BaseException | None = None
+        try:
+            while True:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise last_error or nats.errors.TimeoutError()
+                if tries:
+                    self.metrics.hedged.labels(family).inc()
+                tries.add(asyncio.ensure_future(self._nc.request(subject, data, timeout=remaining)))
+                self.metrics.published.labels(family, "core").inc()
+                done, tries = await asyncio.wait(
+                    tries, timeout=min(hedge_after_s, remaining), return_when="FIRST_COMPLETED"
+                )
+                for task in done:
+                    error = task.exception()
+                    if error is None:
+                        return task.result()
+                    if isinstance(error, nats.errors.NoRespondersError):
+                        raise error  # nobody serves the subject: another copy cannot help
+                    last_error = error
+        finally:
+            for task in tries:
+                task.cancel()
 
     async def request_many(
         self,

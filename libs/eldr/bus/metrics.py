@@ -89,6 +89,13 @@ class BusMetrics:
             ["op", "kind"],
             registry=registry,
         )
+        self.hedged = Counter(
+            "eldr_bus_requests_hedged_total",
+            "Requests sent again because no answer came within their hedge delay (the "
+            "first answer of any copy is taken), by subject family.",
+            ["family"],
+            registry=registry,
+        )
         self.handler_seconds = Histogram(
             "eldr_bus_handler_duration_seconds",
             "Time spent in message handlers, by subject family.",

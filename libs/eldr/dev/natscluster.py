@@ -27,6 +27,11 @@ from eldr.dev.natsserver import EmbeddedNats, NatsServerError, free_port
 log = logging.getLogger(__name__)
 
 CLUSTER_NAME = "eldr-dev"
+ROUTE_PING_INTERVAL = "1s"
+ROUTE_PING_MAX = 2
+"""How the nodes check their routes to each other: a peer that stops answering (SIGSTOP, a
+hung host) is cut off after about `ROUTE_PING_INTERVAL` x (`ROUTE_PING_MAX` + 1), and with
+it the subscriptions of the clients it had (queue-group members among them)."""
 
 
 class NatsCluster:
@@ -48,25 +53,32 @@ class NatsCluster:
         self.host = host
         self.ready_timeout_s = ready_timeout_s
         self.route_ports = [free_port(host) for _ in range(size)]
-        routes = ",".join(f"nats://{host}:{port}" for port in self.route_ports)
-        self.nodes = [
-            EmbeddedNats(
-                host=host,
-                port=free_port(host),
-                monitor_port=free_port(host),
-                store_dir=None if root is None else root / f"n{i}",
-                extra_args=(
-                    "--cluster_name",
-                    CLUSTER_NAME,
-                    "--cluster",
-                    f"nats://{host}:{route_port}",
-                    "--routes",
-                    routes,
-                ),
+        self.nodes = []
+        for i in range(size):
+            store_dir = None if root is None else root / f"n{i}"
+            node = EmbeddedNats(
+                host=host, port=free_port(host), monitor_port=free_port(host), store_dir=store_dir
             )
-            for i, route_port in enumerate(self.route_ports)
-        ]
+            config = (root or node.store_dir.parent) / f"n{i}.conf"
+            config.parent.mkdir(parents=True, exist_ok=True)
+            config.write_text(self._config(i))
+            node.config_file = config
+            self.nodes.append(node)
         self._paused: set[int] = set()
+
+    def _config(self, index: int) -> str:
+        routes = ", ".join(f'"nats://{self.host}:{port}"' for port in self.route_ports)
+        return (
+            "cluster {\n"
+            f"  name: {CLUSTER_NAME}\n"
+            f'  listen: "{self.host}:{self.route_ports[index]}"\n'
+            f"  routes: [{routes}]\n"
+            # A frozen peer is dropped within ~3 s (deploy/nats/values.yaml does the same):
+            # until then the other nodes route requests to its clients' subscriptions.
+            f'  ping_interval: "{ROUTE_PING_INTERVAL}"\n'
+            f"  ping_max: {ROUTE_PING_MAX}\n"
+            "}\n"
+        )
 
     # --- addresses -------------------------------------------------------------------
 
