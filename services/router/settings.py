@@ -114,7 +114,7 @@ class RouterSettings(CommonSettings, GeometrySettings, RoutingSettings):
         description="How long a router keeps retrying a commit (or a read of one) that "
         "fails for an expected reason of a NATS cluster (a leader election, a node restart "
         "or hang, no quorum: a timeout, no responders, 503), with a jittered backoff (50 ms "
-        "doubling to 1 s), holding the event and telling JetStream it is in progress, so "
+        "doubling to 0.5 s), holding the event and telling JetStream it is in progress, so "
         "the fault spends none of its router_max_deliver deliveries. After that the event "
         "goes back to JetStream (one delivery spent).",
     )

@@ -102,11 +102,16 @@ REFUSAL_LOG_INTERVAL_S = 10.0
 """At most one log line per subject family and refusal reason per this many seconds (a
 misbehaving worker refused at 10 reports/s must not flood the log)."""
 REFUSED_CODE = "403"
+RETRY_BACKOFF_FIRST_S = 0.05
+RETRY_BACKOFF_MAX_S = 0.5
+"""`Bus.retrying`'s default backoff: an operation retried through an election tries again
+within half a second of the new leader (a try costs one small request)."""
 PULL_BACKOFF_FIRST_S = 0.1
-PULL_BACKOFF_MAX_S = 2.0
-"""A refused pull (503: no consumer leader; 409) pauses pulling 0.1 s doubling to 2 s
+PULL_BACKOFF_MAX_S = 1.0
+"""A refused pull (503: no consumer leader; 409) pauses pulling 0.1 s doubling to 1 s
 (jittered) per refusal in a row: a consumer without a leader costs a router a few pulls in
-its first second and one every 1-2 s after, instead of thousands a second."""
+its first second and one every 0.5-1 s after, instead of thousands a second, and pulls
+again within a second of a new leader."""
 """`Eldr-Error-Code` of a request a handler refused (`Reject`)."""
 
 
@@ -618,14 +623,14 @@ class Bus:
     ) -> T:
         """`call()`'s result, retried while it fails with an expected fault of a cluster
         (`eldr.bus.transient.transient_kind`: a timeout, no responders, 503, a reconnect)
-        after a jittered backoff (`backoff`, default 50 ms doubling to 1 s), for at most
+        after a jittered backoff (`backoff`, default 50 ms doubling to 0.5 s), for at most
         `give_up_s` or until `stopping` is set; then the last error is raised. Every
         failure is counted (`eldr_bus_transient_errors_total{op, kind}`) and logged at most
         once per interval; a success after failures logs one line. `keepalive` (a consumed
         message's `Delivery.in_progress`) is awaited at least every `keepalive_every_s`
         while retrying, so JetStream keeps the message with this consumer: an election
         does not spend one of its deliveries. Other errors are raised at once."""
-        backoff = backoff or Backoff(rng=self.rng)
+        backoff = backoff or Backoff(RETRY_BACKOFF_FIRST_S, RETRY_BACKOFF_MAX_S, rng=self.rng)
         loop = asyncio.get_running_loop()
         give_up = loop.time() + give_up_s
         next_keepalive = loop.time() + keepalive_every_s

@@ -196,6 +196,21 @@ class NatsCluster:
                         return self.index_of(leader)
         return None
 
+    def client_node(self, name: str) -> int | None:
+        """Index of the node client `name` (its connect name) is connected to, or None."""
+        for i, node in enumerate(self.nodes):
+            if not node.running or i in self._paused:
+                continue
+            url = f"http://{self.host}:{node.monitor_port}/connz?limit=4096"
+            try:
+                with urllib.request.urlopen(url, timeout=2.0) as response:
+                    data = json.loads(response.read())
+            except (OSError, ValueError):
+                continue
+            if any(c.get("name") == name for c in data.get("connections") or []):
+                return i
+        return None
+
     def wait_stream_leader(self, stream: str, timeout_s: float = 30.0) -> int:
         """Wait until `stream` has a leader; its node's index."""
         deadline = time.monotonic() + timeout_s
