@@ -108,3 +108,24 @@ def test_recovery_is_said_once_with_what_failed_and_for_how_long(
     assert not faults.recovered("pull")
     last = caplog.records[-1].getMessage()
     assert last == "pull works again after 4.0 s (1 status_409, 5 status_503)"
+
+
+def test_a_flapping_operation_says_one_recovery_per_interval(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # 60 events retried at once through an election recover one by one, some failing once
+    # more meanwhile: one failure line and one recovery line, not one of each per event.
+    clock = Clock()
+    faults = FaultLog(logging.getLogger("t.faults"), interval_s=10.0, clock=clock)
+    caplog.set_level(logging.INFO, logger="t.faults")
+    for _ in range(60):
+        faults.failed("commit", "timeout", "timed out")
+    clock.now += 4.0
+    for _ in range(60):
+        faults.recovered("commit")
+        faults.failed("commit", "timeout", "timed out")
+        clock.now += 0.05
+    assert len(caplog.records) == 2
+    clock.now += 10.0
+    assert faults.recovered("commit")  # the failures after the first recovery, said now
+    assert caplog.records[-1].getMessage().endswith("(60 timeout)")

@@ -96,13 +96,17 @@ class _Episode:
 
     started_s: float
     failures: dict[str, int] = field(default_factory=dict)
-    logged_s: dict[str, float] = field(default_factory=dict)
-    unsaid: dict[str, int] = field(default_factory=dict)
 
 
 class FaultLog:
     """Say transient faults once per interval per operation and kind, and say when the
-    operation works again (see the module docstring)."""
+    operation works again (see the module docstring).
+
+    Many calls of one operation retry at once (every event a router holds during an
+    election), and they recover one after another, some failing again meanwhile: both
+    kinds of line are rate-limited per operation across episodes, so a flapping operation
+    still says at most one failure line per kind and one recovery line per interval (a
+    recovery not said then is summed into the next one)."""
 
     def __init__(
         self,
@@ -114,6 +118,9 @@ class FaultLog:
         self.interval_s = interval_s
         self._clock = clock
         self._episodes: dict[str, _Episode] = {}
+        self._logged_s: dict[tuple[str, str], float] = {}
+        self._unsaid: dict[tuple[str, str], int] = {}
+        self._recovered_s: dict[str, float] = {}
 
     def failed(self, op: str, kind: str, detail: str) -> bool:
         """Count a failure of `op`; log it unless a line for (`op`, `kind`) was logged
@@ -121,11 +128,12 @@ class FaultLog:
         now = self._clock()
         episode = self._episodes.setdefault(op, _Episode(started_s=now))
         episode.failures[kind] = episode.failures.get(kind, 0) + 1
-        if now - episode.logged_s.get(kind, -math.inf) < self.interval_s:
-            episode.unsaid[kind] = episode.unsaid.get(kind, 0) + 1
+        key = (op, kind)
+        if now - self._logged_s.get(key, -math.inf) < self.interval_s:
+            self._unsaid[key] = self._unsaid.get(key, 0) + 1
             return False
-        unsaid = episode.unsaid.pop(kind, 0)
-        episode.logged_s[kind] = now
+        unsaid = self._unsaid.pop(key, 0)
+        self._logged_s[key] = now
         self._log.warning(
             "%s: %s (%s%s; expected while a NATS node restarts or a stream elects a leader: "
             "retrying with backoff)",
@@ -138,14 +146,18 @@ class FaultLog:
 
     def recovered(self, op: str) -> bool:
         """`op` succeeded: if it had failed since it last worked, log one line with what
-        failed and for how long. True if a line was logged."""
-        episode = self._episodes.pop(op, None)
+        failed and for how long (at most one per interval: else the failures are kept for
+        the next). True if a line was logged."""
+        episode = self._episodes.get(op)
         if episode is None:
             return False
+        now = self._clock()
+        if now - self._recovered_s.get(op, -math.inf) < self.interval_s:
+            return False
+        del self._episodes[op]
+        self._recovered_s[op] = now
         counts = ", ".join(f"{n} {kind}" for kind, n in sorted(episode.failures.items()))
-        self._log.info(
-            "%s works again after %.1f s (%s)", op, self._clock() - episode.started_s, counts
-        )
+        self._log.info("%s works again after %.1f s (%s)", op, now - episode.started_s, counts)
         return True
 
     def failing(self, op: str) -> bool:
