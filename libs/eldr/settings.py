@@ -88,8 +88,8 @@ class BusSettings(BaseSettings):
         gt=0,
         description="Interval of client keep-alive pings. With max_outstanding_pings a hung "
         "server (frozen, its host stalled: the socket stays open) is left for another "
-        "node of the cluster after 1.5-2 s (measured, docs/RELIABILITY.md; 10 s x 3 took "
-        "about 39 s).",
+        "node of the cluster after 2 s (3 s when the reconnect first tries the frozen node; "
+        "measured, docs/RELIABILITY.md; 10 s x 3 took 42 s).",
     )
     max_outstanding_pings: int = Field(
         default=3,

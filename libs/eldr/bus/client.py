@@ -102,6 +102,7 @@ REFUSAL_LOG_INTERVAL_S = 10.0
 """At most one log line per subject family and refusal reason per this many seconds (a
 misbehaving worker refused at 10 reports/s must not flood the log)."""
 REFUSED_CODE = "403"
+"""`Eldr-Error-Code` of a request a handler refused (`Reject`)."""
 RETRY_BACKOFF_FIRST_S = 0.05
 RETRY_BACKOFF_MAX_S = 0.5
 """`Bus.retrying`'s default backoff: an operation retried through an election tries again
@@ -112,7 +113,6 @@ PULL_BACKOFF_MAX_S = 1.0
 (jittered) per refusal in a row: a consumer without a leader costs a router a few pulls in
 its first second and one every 0.5-1 s after, instead of thousands a second, and pulls
 again within a second of a new leader."""
-"""`Eldr-Error-Code` of a request a handler refused (`Reject`)."""
 
 
 @dataclass(frozen=True)
