@@ -610,6 +610,17 @@ class Bus:
             return Committed(existing, first=False)
         return Committed(record, first=True)
 
+    def note_fault(self, op: str, exc: BaseException, detail: str) -> bool:
+        """If `exc` is an expected fault of a cluster (`transient_kind`), count it
+        (`eldr_bus_transient_errors_total{op, kind}`), say it at most once per interval and
+        return True; else False (the caller reports it as it would any failure)."""
+        kind = transient_kind(exc)
+        if kind is None:
+            return False
+        self.metrics.transient_errors.labels(op, kind).inc()
+        self.faults.failed(op, kind, detail)
+        return True
+
     async def retrying(
         self,
         op: str,
