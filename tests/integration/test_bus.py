@@ -154,6 +154,24 @@ async def test_commit_once_keeps_the_first_record(bus: Bus, topology: Topology) 
     assert (await bus.stream_state(stream)).messages == 1
 
 
+async def test_a_retried_commit_whose_first_try_was_stored_is_its_own(
+    bus: Bus, topology: Topology
+) -> None:
+    # A commit whose answer was lost (a leader election) was stored after all: the retry
+    # finds the same bytes and knows the record as its own, not as another writer's.
+    await applied(bus, topology)
+    stream, subject = topology.stream_name(DECISIONS), bus.subjects.decision("req-lost-ack")
+    record = decision("req-lost-ack", "d0")
+    await bus.js_publish(subject, record, expected_last_subject_seq=0)  # the lost try
+    again = await bus.commit_once(stream, subject, record)
+    other = await bus.commit_once(stream, subject, decision("req-lost-ack", "d1"))
+    assert again.first
+    assert again.record == record
+    assert not other.first  # another writer's record: the stored one stands
+    assert other.record == record
+    assert (await bus.stream_state(stream)).messages == 1
+
+
 async def test_get_last_of_an_empty_subject_is_none(bus: Bus, topology: Topology) -> None:
     await applied(bus, topology)
     subject = bus.subjects.decision("nobody")

@@ -15,6 +15,9 @@ import numpy as np
 import pytest
 
 from eldr.bus import Bus, Topology, apply_topology
+from eldr.bus.topology import DECISIONS, FINISHED
+from eldr.core.routing.decide import RouterCore
+from eldr.core.routing.loadtable import LoadTable
 from eldr.core.routing.profile import EldrCostProfile
 from eldr.settings import BusSettings, RetentionSettings
 from eldr.wire import (
@@ -24,6 +27,7 @@ from eldr.wire import (
     RequestFinished,
     SparseCounts,
 )
+from eldr_services.router.rebuild import rebuild
 from eldr_services.router.service import setup
 from eldr_services.router.settings import RouterSettings
 from support import messages
@@ -306,3 +310,33 @@ async def test_a_new_replica_rebuilds_what_is_in_flight_before_it_takes_events(
     assert sum(expected.values()) == 20
     assert rebuilt == expected
     assert (in_flight, complete) == (20, 1)
+
+
+async def test_a_rebuild_beyond_its_memory_bound_says_it_is_incomplete(
+    bus: Bus, topology: Topology
+) -> None:
+    """The rebuild keeps at most `max_requests` finished ids: beyond, it counts the rest as
+    in flight (the activity table's own bounds then apply) and says it is incomplete."""
+    await apply_topology(bus, topology)
+    for n in range(6):
+        await other_replica_decides(bus, f"q{n}", "d0", (1, 2))
+    for n in range(4):
+        await gateway_says_finished(bus, f"q{n}", "d0")
+    await bus.flush()
+
+    def core() -> RouterCore:
+        return RouterCore(EldrCostProfile(), LoadTable(), np.random.default_rng(0))
+
+    limits = {
+        "decisions_stream": topology.stream_name(DECISIONS),
+        "finished_stream": topology.stream_name(FINISHED),
+        "lifetime_s": 60.0,
+        "pending_ttl_s": 10.0,
+        "timeout_s": 20.0,
+    }
+    roomy, tight = core(), core()
+    whole = await rebuild(bus, roomy, max_requests=100, **limits)
+    cut = await rebuild(bus, tight, max_requests=2, **limits)
+    assert (whole.complete, whole.finished, whole.decisions, whole.in_flight) == (True, 4, 6, 2)
+    assert sorted(roomy.activity.per_worker().items()) == [("d0", 2)]
+    assert (cut.complete, cut.in_flight) == (False, 4)  # two finishes not kept
