@@ -244,6 +244,9 @@ async def _scenario(env: ClusterEnv, name: str, fault: str, inject: Inject) -> S
         result.notes.update(done.notes)
         result.notes["router_log_lines"] = len(lines)
         result.notes["router_tracebacks"] = sum(1 for line in lines if "Traceback" in line)
+        # A decode worker whose publisher's node hangs must not look stale for long: its
+        # reports resume after the reconnect (2-3 s), `stale_after_s` is 3 s.
+        result.notes["workers_gone_stale"] = sum(1 for line in lines if "went stale" in line)
     finally:
         await load.close()
         await bus.drain()
