@@ -107,6 +107,9 @@ RETRY_BACKOFF_FIRST_S = 0.05
 RETRY_BACKOFF_MAX_S = 0.5
 """`Bus.retrying`'s default backoff: an operation retried through an election tries again
 within half a second of the new leader (a try costs one small request)."""
+HEDGE_MIN_REMAINING_S = 0.001
+"""A hedged request sends no copy with less time left than this (it could not be
+answered)."""
 PULL_BACKOFF_FIRST_S = 0.1
 PULL_BACKOFF_MAX_S = 1.0
 """A refused pull (503: no consumer leader; 409) pauses pulling 0.1 s doubling to 1 s
@@ -804,7 +807,7 @@ class Bus:
         try:
             while True:
                 remaining = deadline - loop.time()
-                if remaining <= 0:
+                if remaining <= HEDGE_MIN_REMAINING_S:
                     raise last_error or nats.errors.TimeoutError()
                 if tries:
                     self.metrics.hedged.labels(family).inc()
