@@ -139,10 +139,17 @@ async def test_a_consumer_without_a_leader_backs_off_and_resumes(
     stream = stream_name(namespace, PREFILL)
     setup = await Bus.connect(_settings(cluster.url, namespace), "setup")
     await apply_topology(setup, topology)
-    cluster.wait_stream_leader(stream)
+    leader = cluster.wait_stream_leader(stream, consumer=ROUTER_CONSUMER)
     await setup.drain()
+    # The reader stays on a follower of the consumer; the consumer's leader and the third
+    # node go down. (A leader that lost its quorum keeps serving pulls until it steps down,
+    # about 10 s later: the reader must not be on it.)
+    reader_node = (leader + 1) % 3
+    down = [i for i in range(3) if i != reader_node]
     registry = CollectorRegistry()
-    bus = await Bus.connect(_settings(cluster.nodes[0].url, namespace), "reader", registry=registry)
+    bus = await Bus.connect(
+        _settings(cluster.nodes[reader_node].url, namespace), "reader", registry=registry
+    )
     got: list[str] = []
     arrived = asyncio.Event()
 
@@ -154,8 +161,8 @@ async def test_a_consumer_without_a_leader_backs_off_and_resumes(
     caplog.set_level(logging.INFO, logger="eldr.bus")
     since = len(caplog.records)
     # Quorum lost: two of three nodes down, the reader's node alone.
-    cluster.kill(1)
-    cluster.kill(2)
+    for node in down:
+        cluster.kill(node)
     outage_s = 6.0
     await asyncio.sleep(outage_s)
     pulls = sum(
@@ -164,8 +171,8 @@ async def test_a_consumer_without_a_leader_backs_off_and_resumes(
         for k in ("status_503", "status_409", "status_other", "disconnected")
     )
     lines_during = _bus_lines(caplog, since)
-    cluster.start_node(1)
-    cluster.start_node(2)
+    for node in down:
+        cluster.start_node(node)
     cluster.wait_formed()
     writer = await Bus.connect(_settings(cluster.url, namespace), "writer")
     event = PrefillDone(

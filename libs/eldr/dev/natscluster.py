@@ -178,19 +178,27 @@ class NatsCluster:
             data: dict[str, Any] = json.loads(response.read())
         return data
 
-    def stream_leader(self, stream: str) -> int | None:
-        """Index of the node leading `stream`'s RAFT group, or None (no leader now)."""
+    def stream_leader(self, stream: str, consumer: str | None = None) -> int | None:
+        """Index of the node leading `stream`'s RAFT group (or, with `consumer`, that
+        consumer's), or None (no leader now)."""
         for i, node in enumerate(self.nodes):
             if not node.running or i in self._paused:
                 continue
             try:
-                data = self.jsz(i, "streams=true")
+                data = self.jsz(i, "streams=true&consumers=true")
             except (OSError, ValueError):
                 continue
             for account in data.get("account_details") or []:
                 for detail in account.get("stream_detail") or []:
                     if detail.get("name") != stream:
                         continue
+                    if consumer is not None:
+                        found = [
+                            c
+                            for c in detail.get("consumer_detail") or []
+                            if c.get("name") == consumer
+                        ]
+                        detail = found[0] if found else {}
                     leader = (detail.get("cluster") or {}).get("leader")
                     if leader:
                         return self.index_of(leader)
@@ -211,11 +219,13 @@ class NatsCluster:
                 return i
         return None
 
-    def wait_stream_leader(self, stream: str, timeout_s: float = 30.0) -> int:
-        """Wait until `stream` has a leader; its node's index."""
+    def wait_stream_leader(
+        self, stream: str, timeout_s: float = 30.0, consumer: str | None = None
+    ) -> int:
+        """Wait until `stream` (or its `consumer`) has a leader; its node's index."""
         deadline = time.monotonic() + timeout_s
         while True:
-            leader = self.stream_leader(stream)
+            leader = self.stream_leader(stream, consumer)
             if leader is not None:
                 return leader
             if time.monotonic() > deadline:
