@@ -424,8 +424,9 @@ def test_a_cluster_fault_loses_and_doubles_nothing(
 ) -> None:
     result = run(cluster_env, name, fault, inject)
     # Generous bounds that still catch the faults of issue 23 (a frozen node stalled
-    # decisions for all of its 15 s; 332 tracebacks for one election). Without a quorum
-    # nothing can be decided: the stall is the outage plus the recovery.
+    # decisions for all of its 15 s; 332 tracebacks for one election): a JetStream election
+    # alone takes 4-9 s (measured stalls 4.5-8 s). Without a quorum nothing can be
+    # decided: the stall is the outage plus the recovery.
     outage_s = QUORUM_S if name == "quorum_loss" else 0.0
-    assert result.stall_s < outage_s + 12.0, f"{name}: decisions stalled {result.stall_s} s"
+    assert result.stall_s < outage_s + 14.0, f"{name}: decisions stalled {result.stall_s} s"
     assert result.notes["router_log_lines"] < 100, result.notes["router_log_lines"]
