@@ -23,6 +23,7 @@ from sqlalchemy.pool import NullPool
 from eldr.bus import Bus, Topology, build_topology, delete_topology
 from eldr.dev.natsserver import EmbeddedNats
 from eldr.settings import BusSettings, RetentionSettings
+from support.prereq import missing
 
 BusFactory = Callable[..., Awaitable[Bus]]
 
@@ -142,9 +143,7 @@ def pg_server_url() -> URL:
             f"({str(exc.orig).strip().splitlines()[0] if exc.orig else exc}); start a server "
             f"or point {PG_URL_ENV} at one, e.g. {PG_URL_ENV}={DEFAULT_PG_URL}"
         )
-        if os.environ.get(REQUIRE_PG_ENV, "") not in ("", "0"):
-            pytest.fail(f"{reason} ({REQUIRE_PG_ENV} is set)")
-        pytest.skip(reason)
+        missing(REQUIRE_PG_ENV, reason)
     finally:
         engine.dispose()
     return url

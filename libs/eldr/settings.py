@@ -67,7 +67,10 @@ class BusSettings(BaseSettings):
         description="Prefix of every subject, stream and bucket; tests use one per test.",
     )
     connect_timeout_s: float = Field(
-        default=2.0, gt=0, description="Timeout of one connect attempt."
+        default=1.0,
+        gt=0,
+        description="Timeout of one connect attempt (a reconnect that picks a hung server "
+        "moves on to the next after this).",
     )
     startup_wait_s: float = Field(
         default=30.0,
@@ -81,10 +84,18 @@ class BusSettings(BaseSettings):
         default=-1, ge=-1, description="Reconnect attempts before giving up; -1 retries forever."
     )
     ping_interval_s: float = Field(
-        default=10.0, gt=0, description="Interval of client keep-alive pings."
+        default=0.5,
+        gt=0,
+        description="Interval of client keep-alive pings. With max_outstanding_pings a hung "
+        "server (frozen, its host stalled: the socket stays open) is left for another "
+        "node of the cluster after 2 s (3 s when the reconnect first tries the frozen node; "
+        "measured, docs/RELIABILITY.md; 10 s x 3 took 42 s).",
     )
     max_outstanding_pings: int = Field(
-        default=3, ge=1, description="Unanswered pings after which the connection counts as stale."
+        default=3,
+        ge=1,
+        description="Unanswered pings after which the connection counts as stale and the "
+        "client reconnects, to another server where the URL lists several.",
     )
     request_timeout_s: float = Field(
         default=2.0, gt=0, description="Default timeout of requests and JetStream API calls."

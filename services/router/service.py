@@ -19,6 +19,8 @@ import contextlib
 import logging
 import time
 import zlib
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import numpy as np
 
@@ -26,6 +28,7 @@ from eldr.bus import (
     ROUTER_CONSUMER,
     BusError,
     BusTimeoutError,
+    Committed,
     Delivery,
     NoRespondersError,
     Retry,
@@ -60,9 +63,12 @@ from eldr.wire.records import decision_record
 
 from .load_metrics import LoadTableCollector
 from .metrics import RouterMetrics
+from .rebuild import rebuild_at_start
 from .settings import RouterSettings
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 REPLY_PREFIXES = ("_INBOX",)
 """Requesters wait on inboxes: a PrefillDone.reply_to outside them is never answered (under
@@ -432,6 +438,7 @@ class RouterService:
                 ),
                 AssembleReply,
                 timeout_s=self.settings.signature_timeout_s,
+                hedge_after_s=self.settings.signature_hedge_s,
             )
         except BusTimeoutError:
             reason = "signature_timeout"
@@ -469,7 +476,11 @@ class RouterService:
         taken = time.perf_counter()
         subject = self.subjects.decision(msg.request_id)
         if delivery.num_delivered > 1:
-            existing = await self.bus.get_last(self.decisions_stream, subject, Decision)
+            existing = await self._patiently(
+                "read",
+                lambda: self.bus.get_last(self.decisions_stream, subject, Decision),
+                delivery,
+            )
             if existing is not None:
                 # Committed before (an ack that never came back, another replica): count
                 # it, as any committed decision, and answer with it.
@@ -477,7 +488,7 @@ class RouterService:
                 await self._answer(msg, existing, already=True)
                 return
         if expired(msg, time.time()):
-            await self._expire(msg, subject, taken)
+            await self._expire(msg, subject, taken, delivery)
             return
         counts, missing, sig_error = await self.signature_of(msg)
         request = RouteRequest(
@@ -506,7 +517,7 @@ class RouterService:
             self.metrics.no_live_workers.inc()
             raise Retry(str(exc), delay_s=self.settings.no_worker_retry_s) from exc
         if outcome is None or expired(msg, time.time()):
-            await self._expire(msg, subject, taken)
+            await self._expire(msg, subject, taken, delivery)
             return
         decision = decision_record(
             outcome,
@@ -525,7 +536,7 @@ class RouterService:
             outcome.worker_id, msg.request_id, counts, msg.n_prompt_tokens, time.monotonic()
         )
         try:
-            committed = await self.bus.commit_once(self.decisions_stream, subject, decision)
+            committed = await self._commit_patiently(subject, decision, delivery)
         except BaseException:
             self.core.release(outcome.worker_id, msg.request_id)
             raise
@@ -539,15 +550,43 @@ class RouterService:
         self.metrics.decision_seconds.observe(time.perf_counter() - taken)
         await self._answer(msg, decision, already=False)
 
-    async def _commit(self, msg: PrefillDone, subject: str, decision: Decision) -> bool:
+    async def _patiently(self, op: str, call: Callable[[], Awaitable[T]], delivery: Delivery) -> T:
+        """`call()`, retried through a NATS cluster's expected faults (an election, a node
+        restart) for up to `commit_retry_s` while the event is held (in progress), so they
+        spend none of its deliveries (`Bus.retrying`)."""
+        return await self.bus.retrying(
+            op,
+            call,
+            give_up_s=self.settings.commit_retry_s,
+            keepalive=delivery.in_progress,
+            keepalive_every_s=self.settings.router_ack_wait_s / 3,
+            stopping=self.ctx.stopping,
+        )
+
+    async def _commit_patiently(
+        self, subject: str, record: Decision, delivery: Delivery
+    ) -> Committed[Decision]:
+        return await self._patiently(
+            "commit",
+            lambda: self.bus.commit_once(
+                self.decisions_stream, subject, record, timeout_s=self.settings.commit_timeout_s
+            ),
+            delivery,
+        )
+
+    async def _commit(
+        self, msg: PrefillDone, subject: str, decision: Decision, delivery: Delivery
+    ) -> bool:
         """Commit `decision` as the request's record (first write wins); False if another
         was there first (it is answered instead)."""
-        committed = await self.bus.commit_once(self.decisions_stream, subject, decision)
+        committed = await self._commit_patiently(subject, decision, delivery)
         if not committed.first:
             await self._answer(msg, committed.record, already=True)
         return committed.first
 
-    async def _expire(self, msg: PrefillDone, subject: str, taken: float) -> None:
+    async def _expire(
+        self, msg: PrefillDone, subject: str, taken: float, delivery: Delivery
+    ) -> None:
         """The requester stopped waiting (the event's deadline passed): commit an expired
         record instead of an assignment. It is the request's one record (exactly once, as
         any decision); no worker gets the request, no load is counted."""
@@ -571,7 +610,7 @@ class RouterService:
             prompt_tokens=msg.n_prompt_tokens,
             outcome="expired",
         )
-        if not await self._commit(msg, subject, record):
+        if not await self._commit(msg, subject, record, delivery):
             return
         self.metrics.expired.inc()
         late_s = record.ts_s - (msg.deadline_s or record.ts_s)
@@ -638,6 +677,9 @@ async def setup(ctx: ServiceContext[RouterSettings]) -> None:
         svc.on_announcement,
     )
     await replay.wait_caught_up(timeout_s=30)
+    # What is in flight, before the first event: a restarted replica decides like the
+    # others (issue 23).
+    await rebuild_at_start(ctx, svc.core, topo)
     await bus.serve(subjects.control_router, None, RouterControl, svc.on_control)
     await bus.consume(
         topo.stream_name(PREFILL),

@@ -62,6 +62,15 @@ class RouterSettings(CommonSettings, GeometrySettings, RoutingSettings):
         gt=0,
         description="How long to wait for the signature service; on timeout route load-only.",
     )
+    signature_hedge_s: float = Field(
+        default=0.025,
+        gt=0,
+        description="Ask the signature service again (another replica, as the queue group "
+        "picks) when no answer came within this, within signature_timeout_s overall: a "
+        "replica that does not answer (its NATS server hangs) costs the request this delay, "
+        "not its signature. Above assemble_wait_ms, so a replica waiting for blocks in "
+        "flight is not asked twice.",
+    )
     assemble_wait_ms: int = Field(
         default=20,
         ge=0,
@@ -91,6 +100,31 @@ class RouterSettings(CommonSettings, GeometrySettings, RoutingSettings):
     )
     no_worker_retry_s: float = Field(
         default=1.0, gt=0, description="Redelivery delay after that wait."
+    )
+    commit_timeout_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="Deadline of one try to commit a decision (or read a committed one): "
+        "a try that gets no answer in time (the stream's leader is dead or hangs) is "
+        "retried, see commit_retry_s.",
+    )
+    commit_retry_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="How long a router keeps retrying a commit (or a read of one) that "
+        "fails for an expected reason of a NATS cluster (a leader election, a node restart "
+        "or hang, no quorum: a timeout, no responders, 503), with a jittered backoff (50 ms "
+        "doubling to 0.5 s), holding the event and telling JetStream it is in progress, so "
+        "the fault spends none of its router_max_deliver deliveries. After that the event "
+        "goes back to JetStream (one delivery spent).",
+    )
+    rebuild_timeout_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="At start, before taking events, a replica rebuilds what is in flight "
+        "(its activity table, the finished requests) by replaying DECISIONS and FINISHED "
+        "over activity_ttl_s (eldr_router_rebuild_seconds); it gives up after this long "
+        "and starts with what it read (eldr_router_rebuild_complete 0). 0: no rebuild.",
     )
     index_method: Literal["auto", "exact", "hnsw"] = Field(
         default="auto", description="Centroid search: hnswlib, exact, or auto by centroid count."

@@ -51,6 +51,10 @@ from .metrics import SimDecodeMetrics
 
 log = logging.getLogger(__name__)
 
+PROFILE_RETRY_S = 30.0
+"""How long a decode profile's publish is retried through a NATS cluster's expected faults
+(a PROFILES leader election takes 4-9 s) before it is dropped and counted."""
+
 
 @dataclass(frozen=True)
 class HostConfig:
@@ -359,7 +363,9 @@ class SimDecodeHost:
                 await self.bus.publish(self.bus.subjects.load(wid), report)
                 self.metrics.reports.inc()
             except BusError as exc:
-                log.warning("simdecode %s: load report %d not sent: %s", wid, report.seq, exc)
+                what = f"simdecode {wid}: load report {report.seq} not sent: {exc}"
+                if not self.bus.note_fault("publish", exc, what):
+                    log.warning("%s", what)
 
     async def _report_loop(self) -> None:
         interval = self.config.report_interval_s
@@ -393,7 +399,9 @@ class SimDecodeHost:
                 ),
             )
         except BusError as exc:
-            log.warning("simdecode %s: end of %s not reported: %s", wid, request_id, exc)
+            what = f"simdecode {wid}: end of {request_id} not reported: {exc}"
+            if not self.bus.note_fault("publish", exc, what):
+                log.warning("%s", what)
 
     async def _publish_profile(self, wid: str, done: FinishedRequest) -> None:
         try:
@@ -405,9 +413,17 @@ class SimDecodeHost:
                 counts=SparseCounts.from_dense(done.decode_counts),
                 tpot_s=done.tpot_s,
             )
-            await self.bus.js_publish(
-                self.bus.subjects.profiles(wid), profile, msg_id=f"profile-{done.request_id}"
+            # Retried through a leader election (the message id de-duplicates a retry that
+            # was stored after all); the queue holds the next ones meanwhile.
+            await self.bus.retrying(
+                "publish",
+                lambda: self.bus.js_publish(
+                    self.bus.subjects.profiles(wid), profile, msg_id=f"profile-{done.request_id}"
+                ),
+                give_up_s=PROFILE_RETRY_S,
             )
         except (BusError, WireError) as exc:
             self.metrics.profiles_dropped.labels("publish_failed").inc()
-            log.warning("simdecode %s: profile of %s not published: %s", wid, done.request_id, exc)
+            what = f"simdecode {wid}: profile of {done.request_id} not published: {exc}"
+            if not self.bus.note_fault("publish", exc, what):
+                log.warning("%s", what)

@@ -28,6 +28,7 @@ from eldr.core.workload.synthetic import SyntheticSpec, SyntheticWorld, generate
 from eldr.core.workload.trace import TraceSet
 from eldr.dev.natsserver import free_port
 from eldr.dev.stack import SERVICES, ServiceSpec, Stack, StackConfig, serve_command
+from support.prereq import missing
 
 from .harness import ScenarioResult, markdown_table, write_report
 from .pgserver import ThrowawayPostgres, missing_reason
@@ -135,7 +136,9 @@ def _spawn_lonely(stack: Stack, log_dir: Path) -> subprocess.Popen[bytes]:
 def fault_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultEnv]:
     reason = missing_reason()
     if reason is not None:
-        pytest.skip(f"the fault suite needs a throwaway PostgreSQL: {reason}")
+        missing(
+            "ELDR_TEST_REQUIRE_INITDB", f"the fault suite needs a throwaway PostgreSQL: {reason}"
+        )
     root = tmp_path_factory.mktemp("faults")
     log_dir = root / "logs"
     pg = ThrowawayPostgres()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import math
@@ -384,6 +385,9 @@ class ScenarioResult:
     max_decide_s: float
     """Largest accepted -> committed time of any request of the scenario."""
     p50_decide_ms: float
+    stall_s: float = math.nan
+    """Longest time without any decision committed, from 1 s before the fault to the end
+    of the scenario (the offered load never stops: a gap is the pipeline stalling)."""
     fallbacks: dict[str, int] = field(default_factory=dict)
     notes: dict[str, Any] = field(default_factory=dict)
 
@@ -427,6 +431,10 @@ def summarise(
         if reason:
             fallbacks[reason] = fallbacks.get(reason, 0) + 1
     letters = [d for d in dead_letters if prefix.encode() in d.payload]
+    commits = sorted(
+        c.ts_s for s in decided for c in found[s.request_id] if c.ts_s >= fault_start_s - 1.0
+    )
+    stall_s = max((b - a for a, b in itertools.pairwise(commits)), default=math.nan)
     return ScenarioResult(
         scenario=scenario,
         fault=fault,
@@ -443,6 +451,7 @@ def summarise(
         recovery_s=round(max(0.0, max(before_repair, default=repaired_s) - repaired_s), 2),
         max_decide_s=round(max(decide_s, default=math.nan), 3),
         p50_decide_ms=round(float(np.percentile(decide_s, 50)) * 1e3, 1) if decide_s else math.nan,
+        stall_s=round(stall_s, 2),
         fallbacks=dict(sorted(fallbacks.items())),
         notes={
             "missing_blocks": sum(found[s.request_id][0].missing_blocks for s in decided),
@@ -532,21 +541,40 @@ COLUMNS = (
     ("max_decide_s", "max decide s"),
     ("p50_decide_ms", "P50 decide ms"),
 )
+CLUSTER_COLUMNS = (
+    ("scenario", "scenario"),
+    ("sent", "sent"),
+    ("decided", "decided"),
+    ("lost", "lost"),
+    ("doubled", "doubled"),
+    ("dead_lettered", "DLQ"),
+    ("fault_s", "fault s"),
+    ("stall_s", "stall s"),
+    ("recovery_s", "recovery s"),
+    ("max_decide_s", "max decide s"),
+)
 
 
-def markdown_table(results: Iterable[ScenarioResult]) -> str:
+def markdown_table(
+    results: Iterable[ScenarioResult], columns: tuple[tuple[str, str], ...] = COLUMNS
+) -> str:
     lines = [
-        "| " + " | ".join(title for _, title in COLUMNS) + " |",
-        "|" + "|".join("---" for _ in COLUMNS) + "|",
+        "| " + " | ".join(title for _, title in columns) + " |",
+        "|" + "|".join("---" for _ in columns) + "|",
     ]
     for r in results:
         row = r.as_dict()
-        lines.append("| " + " | ".join(str(row[key]) for key, _ in COLUMNS) + " |")
+        lines.append("| " + " | ".join(str(row[key]) for key, _ in columns) + " |")
     return "\n".join(lines)
 
 
-def write_report(path: Path, results: list[ScenarioResult], meta: dict[str, Any]) -> None:
+def write_report(
+    path: Path,
+    results: list[ScenarioResult],
+    meta: dict[str, Any],
+    columns: tuple[tuple[str, str], ...] = COLUMNS,
+) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"meta": meta, "results": [r.as_dict() for r in results]}, indent=2))
     with contextlib.suppress(OSError):
-        path.with_suffix(".md").write_text(markdown_table(results) + "\n")
+        path.with_suffix(".md").write_text(markdown_table(results, columns) + "\n")

@@ -3,7 +3,8 @@ permissions of `deploy/nats/permissions.yaml`, for the security tests.
 
 Certificates come from the `openssl` command line (a CA, a server certificate for
 127.0.0.1/localhost, a client certificate); NKEY pairs from the `nkeys` package (the same
-package nats-py needs to authenticate with one). `missing_reason()` says which is missing.
+package nats-py needs to authenticate with one). `missing_prerequisite()` says which is
+missing.
 """
 
 from __future__ import annotations
@@ -20,11 +21,19 @@ from eldr.bus.permissions import inbox_prefix, load_permissions, resolve
 from eldr.dev.natsserver import EmbeddedNats
 
 
-def missing_reason() -> str | None:
+def missing_prerequisite() -> tuple[str, str] | None:
+    """(the switch that requires it, why) for what is missing, or None."""
     if shutil.which("openssl") is None:
-        return "the openssl command line is missing (needed to make test certificates)"
+        return (
+            "ELDR_TEST_REQUIRE_OPENSSL",
+            "the openssl command line is missing (needed to make test certificates; "
+            "scripts/bootstrap-tools installs it)",
+        )
     if importlib.util.find_spec("nkeys") is None:
-        return "the nkeys package is missing (NKEY authentication needs it)"
+        return (
+            "ELDR_TEST_REQUIRE_NKEYS",
+            "the nkeys package is missing (NKEY authentication needs it; make venv installs it)",
+        )
     return None
 
 

@@ -154,6 +154,24 @@ async def test_commit_once_keeps_the_first_record(bus: Bus, topology: Topology) 
     assert (await bus.stream_state(stream)).messages == 1
 
 
+async def test_a_retried_commit_whose_first_try_was_stored_is_its_own(
+    bus: Bus, topology: Topology
+) -> None:
+    # A commit whose answer was lost (a leader election) was stored after all: the retry
+    # finds the same bytes and knows the record as its own, not as another writer's.
+    await applied(bus, topology)
+    stream, subject = topology.stream_name(DECISIONS), bus.subjects.decision("req-lost-ack")
+    record = decision("req-lost-ack", "d0")
+    await bus.js_publish(subject, record, expected_last_subject_seq=0)  # the lost try
+    again = await bus.commit_once(stream, subject, record)
+    other = await bus.commit_once(stream, subject, decision("req-lost-ack", "d1"))
+    assert again.first
+    assert again.record == record
+    assert not other.first  # another writer's record: the stored one stands
+    assert other.record == record
+    assert (await bus.stream_state(stream)).messages == 1
+
+
 async def test_get_last_of_an_empty_subject_is_none(bus: Bus, topology: Topology) -> None:
     await applied(bus, topology)
     subject = bus.subjects.decision("nobody")
@@ -325,6 +343,51 @@ async def test_request_reply_round_trip(bus: Bus) -> None:
         AssembleReply,
     )
     assert (reply.request_id, reply.blocks_total, reply.missing) == ("r", 2, [5, 6])
+
+
+async def test_a_hedged_request_is_answered_when_a_queue_member_never_answers(
+    bus_factory,
+) -> None:
+    """One member of the queue group hangs (as one on a frozen NATS node): a hedged request
+    sends its copies on, and another member answers each one within the timeout."""
+    registry = CollectorRegistry()
+    client = await bus_factory("client", registry=registry)
+    silent = await bus_factory("silent")
+    hung = asyncio.Event()
+
+    async def never(request: AssembleRequest) -> AssembleReply:
+        await hung.wait()  # answers only after the test (too late for any request)
+        return await assemble(request)
+
+    async def assemble(request: AssembleRequest) -> AssembleReply:
+        return AssembleReply(
+            request_id=request.request_id,
+            counts=None,
+            blocks_total=0,
+            blocks_found=0,
+            missing=[],
+        )
+
+    await silent.serve(client.subjects.sig_assemble, "signature", AssembleRequest, never)
+    for i in range(3):
+        member = await bus_factory(f"member{i}")
+        await member.serve(client.subjects.sig_assemble, "signature", AssembleRequest, assemble)
+    answered = []
+    for n in range(20):
+        reply = await client.request(
+            client.subjects.sig_assemble,
+            AssembleRequest(
+                request_id=f"r{n}", model="m", block_hashes=[], partial=None, wait_ms=0
+            ),
+            AssembleReply,
+            timeout_s=1.0,
+            hedge_after_s=0.05,
+        )
+        answered.append(reply.request_id)
+    hung.set()
+    assert answered == [f"r{n}" for n in range(20)]
+    hedged = registry.get_sample_value("eldr_bus_requests_hedged_total", {"family": "sig.assemble"})
+    assert (hedged or 0) >= 1  # some first copies went to the silent member
 
 
 async def test_bad_request_gets_error_reply_and_is_counted(bus_factory, topology: Topology) -> None:

@@ -15,7 +15,10 @@ import numpy as np
 import pytest
 
 from eldr.bus import Bus, Topology, apply_topology
+from eldr.bus.topology import DECISIONS, FINISHED
 from eldr.core.partition.partition import Partition
+from eldr.core.routing.decide import RouterCore
+from eldr.core.routing.loadtable import LoadTable
 from eldr.core.routing.profile import DEFAULT_PROFILE, EldrCostProfile
 from eldr.core.signature.signature import Calibration
 from eldr.settings import BusSettings, RetentionSettings
@@ -26,6 +29,7 @@ from eldr.wire import (
     RequestFinished,
     SparseCounts,
 )
+from eldr_services.router.rebuild import rebuild
 from eldr_services.router.service import setup
 from eldr_services.router.settings import RouterSettings
 from support import messages
@@ -291,3 +295,100 @@ async def test_a_workers_activity_is_capped_by_its_in_flight_requests(
         per_worker = 'eldr_router_worker_activity_requests{worker="d1"}'
         assert await metric(port, per_worker) == 5
         assert await metric(port, "eldr_router_activity_bytes") > 0
+
+
+async def worker_activity(port: int) -> dict[str, float]:
+    """Per worker, the activity entries a router holds."""
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(f"http://127.0.0.1:{port}/metrics") as response,
+    ):
+        text = await response.text()
+    found = re.findall(
+        r'^eldr_router_worker_activity_requests\{worker="([^"]+)"\} (\S+)$', text, re.MULTILINE
+    )
+    return {worker: float(value) for worker, value in found if float(value)}
+
+
+async def test_a_new_replica_rebuilds_what_is_in_flight_before_it_takes_events(
+    bus: Bus, bus_settings: BusSettings, retention: RetentionSettings, topology: Topology
+) -> None:
+    """Issue 23: a replica that starts (or restarts) while requests are in flight counts
+    them from the streams before it takes events, so it sees what the replica that never
+    stopped sees, instead of idle workers."""
+    await apply_topology(bus, topology)
+    port_a, port_b = free_port(), free_port()
+
+    def settings(port: int, instance: str) -> RouterSettings:
+        return RouterSettings(
+            **(bus_settings.model_dump() | retention.model_dump()),
+            signature_timeout_s=0.05,
+            stale_after_s=2.0,
+            metrics_port=port,
+            instance_id=instance,
+        )
+
+    room = {"d0": 40, "d1": 40}  # the per-worker bound keeps every entry
+    async with reporting(bus, room, period_s=0.1), running_router(settings(port_a, "a")):
+        routed = [await route(bus, f"r{n}", (n % 4, (n + 1) % 4)) for n in range(30)]
+        for decision in routed[:10]:  # the gateway saw these end
+            await gateway_says_finished(bus, decision.request_id, decision.worker_id)
+        # One moved to the other worker before it started there.
+        moved = routed[10]
+        other = "d1" if moved.worker_id == "d0" else "d0"
+        await bus.publish(
+            bus.subjects.finished("gw0"),
+            RequestFinished(
+                request_id=moved.request_id,
+                gateway_id="gw0",
+                ts_s=time.time(),
+                reason="moved",
+                worker_id=moved.worker_id,
+                moved_to=other,
+            ),
+        )
+        await wait_for_activity(port_a, 20)
+        expected = await worker_activity(port_a)
+        async with running_router(settings(port_b, "b")):
+            ready = time.monotonic()
+            # Per worker once B has its first load reports (every 0.1 s): within 1 s.
+            while set(rebuilt := await worker_activity(port_b)) != set(expected):
+                assert time.monotonic() - ready < 1.0, rebuilt
+                await asyncio.sleep(0.02)
+            in_flight = await metric(port_b, "eldr_router_rebuild_in_flight_requests")
+            complete = await metric(port_b, "eldr_router_rebuild_complete")
+            took_s = await metric(port_b, "eldr_router_rebuild_seconds")
+    print(f"\nrebuilt {in_flight:.0f} requests in flight in {took_s:.3f} s: {rebuilt}")
+    assert sum(expected.values()) == 20
+    assert rebuilt == expected
+    assert (in_flight, complete) == (20, 1)
+
+
+async def test_a_rebuild_beyond_its_memory_bound_says_it_is_incomplete(
+    bus: Bus, topology: Topology
+) -> None:
+    """The rebuild keeps at most `max_requests` finished ids: beyond, it counts the rest as
+    in flight (the activity table's own bounds then apply) and says it is incomplete."""
+    await apply_topology(bus, topology)
+    for n in range(6):
+        await other_replica_decides(bus, f"q{n}", "d0", (1, 2))
+    for n in range(4):
+        await gateway_says_finished(bus, f"q{n}", "d0")
+    await bus.flush()
+
+    def core() -> RouterCore:
+        return RouterCore(EldrCostProfile(), LoadTable(), np.random.default_rng(0))
+
+    limits = {
+        "decisions_stream": topology.stream_name(DECISIONS),
+        "finished_stream": topology.stream_name(FINISHED),
+        "lifetime_s": 60.0,
+        "pending_ttl_s": 10.0,
+        "timeout_s": 20.0,
+    }
+    roomy, tight = core(), core()
+    whole = await rebuild(bus, roomy, max_requests=100, **limits)
+    cut = await rebuild(bus, tight, max_requests=2, **limits)
+    assert (whole.complete, whole.finished, whole.decisions, whole.in_flight) == (True, 4, 6, 2)
+    assert sorted(roomy.activity.per_worker().items()) == [("d0", 2)]
+    assert (cut.complete, cut.in_flight) == (False, 4)  # two finishes not kept

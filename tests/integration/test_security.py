@@ -31,7 +31,13 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from secure_nats import SecureNats, User, missing_reason, new_nkey_seed, start_secure_nats
+from secure_nats import (
+    SecureNats,
+    User,
+    missing_prerequisite,
+    new_nkey_seed,
+    start_secure_nats,
+)
 
 from eldr.bus import Bus, BusError, Delivery, apply_topology, build_topology
 from eldr.bus.owners import owned_streams
@@ -54,6 +60,7 @@ from eldr.wire import (
 from eldr_services.router.service import setup as router_setup
 from eldr_services.router.settings import RouterSettings
 from support import messages
+from support.prereq import missing
 from support.services import running_service
 
 pytestmark = pytest.mark.integration
@@ -72,9 +79,9 @@ USERS = [
 
 @pytest.fixture(scope="module")
 def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureNats]:
-    reason = missing_reason()
-    if reason is not None:
-        pytest.skip(reason)
+    absent = missing_prerequisite()
+    if absent is not None:
+        missing(*absent)
     namespace = f"s{uuid.uuid4().hex[:10]}"
     server = start_secure_nats(tmp_path_factory.mktemp("secure-nats"), namespace, USERS)
     try:

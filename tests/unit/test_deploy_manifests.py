@@ -399,7 +399,12 @@ def test_nats_values_ask_for_a_three_node_jetstream_cluster_with_room_for_the_st
 ) -> None:
     values = yaml.safe_load((DEPLOY / "nats" / "values.yaml").read_text())
     config = values["config"]
-    assert config["cluster"] == {"enabled": True, "replicas": 3}
+    assert {k: config["cluster"][k] for k in ("enabled", "replicas")} == {
+        "enabled": True,
+        "replicas": 3,
+    }
+    # A frozen peer's routes (and its clients' queue-group subscriptions) are cut within ~3 s.
+    assert config["cluster"]["merge"] == {"ping_interval": "<< 1s >>", "ping_max": 2}
     assert config["jetstream"]["enabled"] is True
     assert values["promExporter"]["enabled"] is True
     # JetStream reserves every stream's max_bytes on each node that holds a replica.

@@ -12,8 +12,7 @@ from eldr.bench.routing_bench import BenchConfig, run_bench, summarize_rate
 from eldr.cli import main
 from eldr.core.workload.sizing import stratified_split
 from eldr.core.workload.synthetic import SyntheticSpec, generate
-
-REAL_TRACES = (Path(__file__).resolve().parents[2] / "../shared/data/pbc-llama4-mmlu").resolve()
+from support.prereq import shared_data
 
 
 def small_traces():
@@ -187,11 +186,9 @@ def test_cli_writes_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[
 @pytest.mark.slow
 def test_eldr_beats_load_only_routing_on_real_traces() -> None:
     """The project's claim, measured the way `eldr bench --quick` measures it."""
-    if not REAL_TRACES.is_dir():
-        pytest.skip(f"real traces not present at {REAL_TRACES} (see ../shared/data/README.md)")
     from eldr.data.traces import load_trace_dir
 
-    traces = load_trace_dir(REAL_TRACES, num_experts=128)
+    traces = load_trace_dir(shared_data("pbc-llama4-mmlu"), num_experts=128)
     result = run_bench(traces, BenchConfig(decoders=16))
     s = result["summary"]
     assert s["default_policy"] == "eldr_cost"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +18,7 @@ from eldr.core.workload.synthetic import (
     zipf_weights,
 )
 from eldr.core.workload.trace import TraceSet, counts_matrix
+from support.prereq import SHARED_DATA, shared_data
 
 SMALL = SyntheticSpec(
     num_topics=3,
@@ -31,9 +31,7 @@ SMALL = SyntheticSpec(
     block_size=8,
 )
 
-OLMOE_COUNTS = (
-    Path(__file__).parents[2] / "../shared/data/olmoe-routing-counts/expert_counts_by_domain.json"
-).resolve()
+OLMOE_COUNTS = SHARED_DATA / "olmoe-routing-counts" / "expert_counts_by_domain.json"
 
 
 @pytest.fixture(scope="module")
@@ -229,8 +227,7 @@ def test_zero_decode_length_allowed() -> None:
 
 @pytest.mark.realdata
 def test_olmoe_popularity_skew_is_plausible() -> None:
-    if not OLMOE_COUNTS.exists():
-        pytest.skip(f"OLMoE routing counts not found at {OLMOE_COUNTS}")
+    shared_data("olmoe-routing-counts", OLMOE_COUNTS.name)  # skips (or fails) when absent
     from eldr.data.olmoe import load_domain_expert_counts, popularity_skew
 
     per_domain = load_domain_expert_counts(OLMOE_COUNTS)

@@ -14,8 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from eldr.data.traces import TraceFormatError, find_trace_files, load_trace_dir
-
-REAL_DATA = (Path(__file__).parents[2] / "../shared/data/pbc-llama4-mmlu").resolve()
+from support.prereq import shared_data
 
 Steps = list[dict[str, Any]]
 
@@ -317,10 +316,8 @@ def test_trace_format_error_is_value_error() -> None:
 
 @pytest.mark.realdata
 def test_real_llama4_traces_geometry() -> None:
-    if not REAL_DATA.is_dir():
-        pytest.skip(f"real traces not found at {REAL_DATA} (see ../shared/data/README.md)")
     start = time.perf_counter()
-    ts = load_trace_dir(REAL_DATA)
+    ts = load_trace_dir(shared_data("pbc-llama4-mmlu"))
     elapsed_s = time.perf_counter() - start
     geo = ts.geometry
     assert geo.num_layers == 48

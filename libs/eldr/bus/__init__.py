@@ -27,12 +27,14 @@ from eldr.bus.errors import (
     AlreadyExists,
     BusError,
     BusTimeoutError,
+    DisconnectedError,
     NoRespondersError,
     NotFoundError,
     Reject,
     RemoteError,
     Retry,
     TopologyError,
+    UnavailableError,
 )
 from eldr.bus.hold import hold_while
 from eldr.bus.topology import (
@@ -47,12 +49,15 @@ from eldr.bus.topology import (
     rid_token,
     stream_name,
 )
+from eldr.bus.transient import TRANSIENT_KINDS, Backoff, FaultLog, transient_kind
 
 __all__ = [
     "REFUSAL_REASONS",
     "ROUTER_CONSUMER",
     "SIGNATURE_QUEUE",
+    "TRANSIENT_KINDS",
     "AlreadyExists",
+    "Backoff",
     "Bus",
     "BusError",
     "BusTimeoutError",
@@ -61,6 +66,8 @@ __all__ = [
     "ConsumerSpec",
     "ConsumerState",
     "Delivery",
+    "DisconnectedError",
+    "FaultLog",
     "Handler",
     "NoRespondersError",
     "NotFoundError",
@@ -80,6 +87,7 @@ __all__ = [
     "Topology",
     "TopologyChange",
     "TopologyError",
+    "UnavailableError",
     "Undecodable",
     "apply_topology",
     "build_topology",
@@ -88,4 +96,5 @@ __all__ = [
     "is_reply_inbox",
     "rid_token",
     "stream_name",
+    "transient_kind",
 ]

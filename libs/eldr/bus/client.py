@@ -7,7 +7,9 @@ Delivery contracts:
 - `consume` (JetStream durable pull consumer): at-least-once. A handler that returns
   acks; `Retry` naks with a delay; any other exception naks with backoff until the
   consumer's max_deliver, after which the message is dead-lettered and terminated.
-  Undecodable messages are dead-lettered and terminated at once.
+  Undecodable messages are dead-lettered and terminated at once. A pull that the server
+  refuses (status 503: the consumer has no leader; 409) or that cannot be sent is retried
+  after a jittered backoff, never in a tight loop.
 - `replay` (ordered ephemeral consumer): every message of the filter from a start point,
   in stream order, then live ones; a failing handler is logged and skipped.
 - `serve` (core request/reply): handlers run concurrently (bounded); invalid requests
@@ -24,6 +26,12 @@ a message whose FIELD is not the last token of the subject it came on (the token
 sender is permitted to publish on: `load.<worker>` for `LoadReport.worker_id`) is refused
 as `identity_mismatch` before the handler sees it, so a worker can speak only for itself.
 
+Expected faults of a cluster (a leader election, a node restart: timeouts, no responders,
+503) are told apart from failures, counted and logged once per interval
+(`eldr.bus.transient`); `Bus.retrying` retries an operation through them, and
+`commit_once` can be retried safely (its own earlier write, whose answer was lost, is
+recognised as its own).
+
 `drain()` shuts down gracefully: consumers stop fetching, in-flight handlers finish and
 ack, then the connection drains (pending publishes and acks flushed) and closes.
 """
@@ -39,6 +47,7 @@ import io
 import json
 import logging
 import math
+import random
 import re
 import ssl
 import time
@@ -59,14 +68,17 @@ from eldr.bus.errors import (
     AlreadyExists,
     BusError,
     BusTimeoutError,
+    DisconnectedError,
     NoRespondersError,
     NotFoundError,
     Reject,
     RemoteError,
     Retry,
+    UnavailableError,
 )
 from eldr.bus.metrics import BusMetrics
 from eldr.bus.topology import Subjects
+from eldr.bus.transient import Backoff, FaultLog, pull_status_kind, transient_kind
 from eldr.settings import BusSettings
 from eldr.wire import DeadLetter, Message, WireError, decode, encode
 from eldr.wire.base import MAX_DEAD_LETTER_PAYLOAD_BYTES, MAX_HEADERS, MAX_TEXT_LEN
@@ -91,6 +103,19 @@ REFUSAL_LOG_INTERVAL_S = 10.0
 misbehaving worker refused at 10 reports/s must not flood the log)."""
 REFUSED_CODE = "403"
 """`Eldr-Error-Code` of a request a handler refused (`Reject`)."""
+RETRY_BACKOFF_FIRST_S = 0.05
+RETRY_BACKOFF_MAX_S = 0.5
+"""`Bus.retrying`'s default backoff: an operation retried through an election tries again
+within half a second of the new leader (a try costs one small request)."""
+HEDGE_MIN_REMAINING_S = 0.001
+"""A hedged request sends no copy with less time left than this (it could not be
+answered)."""
+PULL_BACKOFF_FIRST_S = 0.1
+PULL_BACKOFF_MAX_S = 1.0
+"""A refused pull (503: no consumer leader; 409) pauses pulling 0.1 s doubling to 1 s
+(jittered) per refusal in a row: a consumer without a leader costs a router a few pulls in
+its first second and one every 0.5-1 s after, instead of thousands a second, and pulls
+again within a second of a new leader."""
 
 
 @dataclass(frozen=True)
@@ -183,6 +208,8 @@ def _translated(what: str) -> Iterator[None]:
         yield
     except nats.js.errors.NotFoundError as exc:
         raise NotFoundError(f"{what}: {exc}") from exc
+    except nats.js.errors.ServiceUnavailableError as exc:
+        raise UnavailableError(f"{what}: {exc.description or 'JetStream unavailable'}") from exc
     except nats.js.errors.APIError as exc:
         if exc.err_code == WRONG_LAST_SEQUENCE:
             raise AlreadyExists(f"{what}: {exc.description}") from exc
@@ -191,6 +218,12 @@ def _translated(what: str) -> Iterator[None]:
         raise NoRespondersError(f"{what}: no responders") from exc
     except TimeoutError as exc:  # nats.errors.TimeoutError is an asyncio.TimeoutError
         raise BusTimeoutError(f"{what}: timed out") from exc
+    except (
+        nats.errors.ConnectionReconnectingError,
+        nats.errors.StaleConnectionError,
+        nats.errors.OutboundBufferLimitError,
+    ) as exc:
+        raise DisconnectedError(f"{what}: {type(exc).__name__}") from exc
     except nats.errors.Error as exc:
         raise BusError(f"{what}: {exc}") from exc
 
@@ -322,6 +355,7 @@ class Bus:
         nc: NatsClient,
         settings: BusSettings,
         metrics: BusMetrics,
+        faults: FaultLog | None = None,
     ) -> None:
         self._nc = nc
         self._js: JetStreamContext = nc.jetstream(timeout=settings.request_timeout_s)
@@ -334,6 +368,12 @@ class Bus:
         self._no_echo = False
         self._refusal_log: dict[tuple[str, str], list[float]] = {}
         """(family, reason) -> [last logged (monotonic s), refusals not logged since]."""
+        self.faults = faults or FaultLog(log)
+        """Transient faults (an election, a reconnect), said once per interval."""
+        self._failure_log: dict[tuple[str, str], list[float]] = {}
+        """(family, exception type) -> [last traceback logged, failures not logged since]."""
+        self.rng = random.Random()
+        """Jitter of this client's backoffs."""
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -353,9 +393,12 @@ class Bus:
         subscriptions (a router follows every replica's decisions but needs not its own).
         """
         nc = NatsClient()
+        faults = FaultLog(log)
 
         async def on_error(exc: Exception) -> None:
-            log.warning("nats client %s: %s", name, exc)
+            # A node going away makes every reconnect attempt fail until one succeeds: one
+            # line per kind and interval, not one per attempt.
+            faults.failed(f"nats client {name}", type(exc).__name__, str(exc) or repr(exc))
 
         async def on_disconnected() -> None:
             if nc.is_closed or nc.is_draining:
@@ -364,6 +407,7 @@ class Bus:
                 log.warning("nats client %s disconnected", name)
 
         async def on_reconnected() -> None:
+            faults.recovered(f"nats client {name}")
             log.info("nats client %s reconnected to %s", name, redact_url(nc.connected_url))
 
         async def on_closed() -> None:
@@ -401,7 +445,9 @@ class Bus:
                 "open bus"
             )
         log.info("nats client %s connected to %s", name, redact_url(nc.connected_url))
-        bus = cls(nc, settings, BusMetrics(registry or CollectorRegistry(auto_describe=True)))
+        bus = cls(
+            nc, settings, BusMetrics(registry or CollectorRegistry(auto_describe=True)), faults
+        )
         bus._no_echo = no_echo
         return bus
 
@@ -537,25 +583,100 @@ class Bus:
             timeout_s=timeout_s,
         )
 
-    async def commit_once(self, stream: str, subject: str, record: M) -> Committed[M]:
+    async def commit_once(
+        self, stream: str, subject: str, record: M, *, timeout_s: float | None = None
+    ) -> Committed[M]:
         """Make `record` the one record of `subject` in `stream`: published only if the
         subject has none yet (`expected_last_subject_seq=0`), so of several writers (router
         replicas, redeliveries of one event) the first wins. Returns the record that
         stands: `record` with `first=True`, or the earlier one with `first=False`.
 
+        Safe to call again after it failed (a timeout during a leader election: the write
+        may have been stored and only its answer lost): a stored record with the same bytes
+        as `record` is this writer's own, so `first=True` (`Bus.retrying` does that).
+
         Raises `Retry` (redelivered in 0.1 s) when another record won but is gone by the
         time it is read (retention dropped it in between: decide again later).
         """
+        data = encode(record)
         try:
-            await self.js_publish(subject, record, expected_last_subject_seq=0)
+            await self.publish_raw(subject, data, expected_last_subject_seq=0, timeout_s=timeout_s)
         except AlreadyExists:
-            existing = await self.get_last(stream, subject, type(record))
-            if existing is None:
+            stored = await self._get_last_raw(stream, subject, timeout_s=timeout_s)
+            if stored is None:
                 raise Retry(
                     f"{type(record).__name__.lower()} vanished after a conflict", delay_s=0.1
                 ) from None
+            if stored == data:
+                return Committed(record, first=True)  # ours: an earlier try's answer was lost
+            existing = decode(stored, type(record), self._settings.max_payload_bytes)
             return Committed(existing, first=False)
         return Committed(record, first=True)
+
+    def note_fault(self, op: str, exc: BaseException, detail: str) -> bool:
+        """If `exc` is an expected fault of a cluster (`transient_kind`), count it
+        (`eldr_bus_transient_errors_total{op, kind}`), say it at most once per interval and
+        return True; else False (the caller reports it as it would any failure)."""
+        kind = transient_kind(exc)
+        if kind is None:
+            return False
+        self.metrics.transient_errors.labels(op, kind).inc()
+        self.faults.failed(op, kind, detail)
+        return True
+
+    async def retrying(
+        self,
+        op: str,
+        call: Callable[[], Awaitable[T]],
+        *,
+        give_up_s: float,
+        backoff: Backoff | None = None,
+        keepalive: Callable[[], Awaitable[None]] | None = None,
+        keepalive_every_s: float = math.inf,
+        stopping: asyncio.Event | None = None,
+    ) -> T:
+        """`call()`'s result, retried while it fails with an expected fault of a cluster
+        (`eldr.bus.transient.transient_kind`: a timeout, no responders, 503, a reconnect)
+        after a jittered backoff (`backoff`, default 50 ms doubling to 0.5 s), for at most
+        `give_up_s` or until `stopping` is set; then the last error is raised. Every
+        failure is counted (`eldr_bus_transient_errors_total{op, kind}`) and logged at most
+        once per interval; a success after failures logs one line. `keepalive` (a consumed
+        message's `Delivery.in_progress`) is awaited at least every `keepalive_every_s`
+        while retrying, so JetStream keeps the message with this consumer: an election
+        does not spend one of its deliveries. Other errors are raised at once."""
+        backoff = backoff or Backoff(RETRY_BACKOFF_FIRST_S, RETRY_BACKOFF_MAX_S, rng=self.rng)
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + give_up_s
+        next_keepalive = loop.time() + keepalive_every_s
+        attempt = 0
+        while True:
+            try:
+                result = await call()
+            except BusError as exc:
+                kind = transient_kind(exc)
+                if kind is None:
+                    raise
+                attempt += 1
+                self.metrics.transient_errors.labels(op, kind).inc()
+                self.faults.failed(op, kind, str(exc))
+                now = loop.time()
+                if now >= give_up or (stopping is not None and stopping.is_set()):
+                    raise
+                if keepalive is not None and now >= next_keepalive:
+                    await keepalive()
+                    next_keepalive = loop.time() + keepalive_every_s
+                wait_s = min(backoff.delay_s(attempt), max(0.0, give_up - now))
+                if keepalive is not None:
+                    wait_s = min(wait_s, max(0.0, next_keepalive - now))
+                if stopping is None:
+                    await asyncio.sleep(wait_s)
+                else:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stopping.wait(), timeout=wait_s)
+                continue
+            if attempt:
+                self.faults.recovered(op)
+            return result
 
     async def publish_raw(
         self,
@@ -597,12 +718,26 @@ class Bus:
 
         Raises WireError if the stored message is not a valid `message_type`.
         """
+        data = await self._get_last_raw(stream, subject)
+        if data is None:
+            return None
+        return decode(data, message_type, self._settings.max_payload_bytes)
+
+    async def _get_last_raw(
+        self, stream: str, subject: str, *, timeout_s: float | None = None
+    ) -> bytes | None:
+        """The bytes of the last message on `subject` in `stream`; None if there is none."""
         try:
             with _translated(f"get last message of {subject} in {stream}"):
-                raw = await self._js.get_last_msg(stream, subject, direct=True)
+                if timeout_s is None:
+                    raw = await self._js.get_last_msg(stream, subject, direct=True)
+                else:
+                    raw = await asyncio.wait_for(
+                        self._js.get_last_msg(stream, subject, direct=True), timeout_s
+                    )
         except NotFoundError:
             return None
-        return decode(raw.data or b"", message_type, self._settings.max_payload_bytes)
+        return raw.data or b""
 
     async def stream_state(self, stream: str) -> StreamState:
         with _translated(f"stream info {stream}"):
@@ -635,18 +770,62 @@ class Bus:
         reply_type: type[R],
         *,
         timeout_s: float | None = None,
+        hedge_after_s: float | None = None,
     ) -> R:
         """Send a request and wait for one reply.
+
+        `hedge_after_s`: while no reply has come, send the request again every this many
+        seconds (to a queue group: each copy goes to a member the server picks, so a member
+        that does not answer, e.g. on a hung server, costs one hedge delay, not the whole
+        timeout); the first reply of any copy is taken, within `timeout_s` overall.
 
         Raises BusTimeoutError, NoRespondersError, RemoteError (the server answered with an
         error) or WireError (the reply is not a valid `reply_type`).
         """
         timeout = timeout_s or self._settings.request_timeout_s
+        data = encode(message)
+        family = self.subjects.family(subject)
         with _translated(f"request on {subject}"):
-            response = await self._nc.request(subject, encode(message), timeout=timeout)
-        self.metrics.published.labels(self.subjects.family(subject), "core").inc()
+            if hedge_after_s is None or hedge_after_s >= timeout:
+                response = await self._nc.request(subject, data, timeout=timeout)
+                self.metrics.published.labels(family, "core").inc()
+            else:
+                response = await self._hedged_request(subject, data, timeout, hedge_after_s)
         _raise_remote_error(response)
         return decode(response.data, reply_type, self._settings.max_payload_bytes)
+
+    async def _hedged_request(
+        self, subject: str, data: bytes, timeout_s: float, hedge_after_s: float
+    ) -> Msg:
+        """The first answer to copies of a request sent every `hedge_after_s` (nats errors
+        raised as they are: the caller translates them)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        family = self.subjects.family(subject)
+        tries: set[asyncio.Future[Msg]] = set()
+        last_error: BaseException | None = None
+        try:
+            while True:
+                remaining = deadline - loop.time()
+                if remaining <= HEDGE_MIN_REMAINING_S:
+                    raise last_error or nats.errors.TimeoutError()
+                if tries:
+                    self.metrics.hedged.labels(family).inc()
+                tries.add(asyncio.ensure_future(self._nc.request(subject, data, timeout=remaining)))
+                self.metrics.published.labels(family, "core").inc()
+                done, tries = await asyncio.wait(
+                    tries, timeout=min(hedge_after_s, remaining), return_when="FIRST_COMPLETED"
+                )
+                for task in done:
+                    error = task.exception()
+                    if error is None:
+                        return task.result()
+                    if isinstance(error, nats.errors.NoRespondersError):
+                        raise error  # nobody serves the subject: another copy cannot help
+                    last_error = error
+        finally:
+            for task in tries:
+                task.cancel()
 
     async def request_many(
         self,
@@ -991,6 +1170,21 @@ class Bus:
             else "",
         )
 
+    def _log_failure(self, family: str, exc: Exception, message: str, *args: object) -> None:
+        """Log a handler failure with its traceback, at most once per
+        `REFUSAL_LOG_INTERVAL_S` per subject family and exception type (called inside the
+        except block); the count left unsaid goes with the next line."""
+        now = time.monotonic()
+        state = self._failure_log.setdefault((family, type(exc).__name__), [-math.inf, 0.0])
+        if now - state[0] < REFUSAL_LOG_INTERVAL_S:
+            state[1] += 1
+            return
+        unsaid = int(state[1])
+        state[0], state[1] = now, 0.0
+        name = type(exc).__name__
+        suffix = f" ({unsaid} more {name} failures on {family} since)" if unsaid else ""
+        log.exception(message + suffix, *args)
+
     async def _respond(self, reply: str, data: bytes, headers: dict[str, str] | None) -> None:
         try:
             await self._nc.publish(reply, data, headers=headers)
@@ -1213,7 +1407,11 @@ class Consumer(_Receiver[M, None]):
     expiring after `fetch_timeout_s`. Messages arrive on a private inbox one by one and are
     handled as they come. The server answers an expired request with a 408 status carrying
     how many of it were not delivered, which keeps `outstanding` exact; a request whose
-    status never comes (a reconnect) is forgotten a second after its expiry.
+    status never comes (a reconnect) is forgotten a second after its expiry. A refused
+    request (503: the consumer has no leader, during an election or without quorum; 409)
+    or one that could not be sent pauses pulling for a jittered backoff (`PULL_BACKOFF`,
+    doubling per refusal in a row), so the loop never spins; it is counted
+    (`eldr_bus_transient_errors_total{op="pull"}`) and logged once per interval.
     """
 
     stop_order = 0
@@ -1252,6 +1450,11 @@ class Consumer(_Receiver[M, None]):
         self._sub: NatsSubscription | None = None
         # Open pull requests, oldest first: [expiry (monotonic s), messages still owed].
         self._requests: collections.deque[list[float]] = collections.deque()
+        self._pull_backoff = Backoff(PULL_BACKOFF_FIRST_S, PULL_BACKOFF_MAX_S, rng=bus.rng)
+        self._pull_refusals = 0
+        """Pull requests refused (or not sent) in a row."""
+        self._pull_paused_until = 0.0
+        """No pull request before this (monotonic s): the last ones were refused."""
 
     async def start(self) -> None:
         self._sub = await self._bus._nc.subscribe(self._inbox, cb=self._on_msg)
@@ -1277,25 +1480,39 @@ class Consumer(_Receiver[M, None]):
             if head[1] <= 0:
                 self._requests.popleft()
 
+    def _pull_refused(self, kind: str, detail: str) -> None:
+        """A pull was refused or not sent: count it and pause pulling for a backoff."""
+        self._pull_refusals += 1
+        self._bus.metrics.transient_errors.labels("pull", kind).inc()
+        self._bus.faults.failed(f"consumer {self.stream}/{self.durable}", kind, detail)
+        self._pull_paused_until = time.monotonic() + self._pull_backoff.delay_s(self._pull_refusals)
+
+    def _pull_served(self) -> None:
+        if self._pull_refusals:
+            self._pull_refusals = 0
+            self._pull_paused_until = 0.0
+            self._bus.faults.recovered(f"consumer {self.stream}/{self.durable}")
+
     async def _on_msg(self, msg: Msg) -> None:
         status = JetStreamContext.is_status_msg(msg)
         if status:
             if status != "100":  # 100 = idle heartbeat: nothing to account
-                # 404/408: the oldest request ended with what it still owed; 409: it was
-                # refused (max waiting, leadership change, consumer deleted).
-                if status not in ("404", "408"):
-                    log.warning(
-                        "consumer %s/%s: pull status %s %s",
-                        self.stream,
-                        self.durable,
-                        status,
-                        (msg.headers or {}).get("Description", ""),
+                # 404/408: the oldest request ended with what it still owed; 503: no
+                # consumer leader (an election, no quorum); 409: refused (max waiting,
+                # leadership change, consumer deleted).
+                if status in ("404", "408"):
+                    self._pull_served()
+                else:
+                    description = (msg.headers or {}).get("Description", "")
+                    self._pull_refused(
+                        pull_status_kind(status), f"pull status {status} {description}"
                     )
                 if self._requests:
                     self._requests.popleft()
             self._wakeup.set()
             return
         self._settle_request()
+        self._pull_served()
         if self._stopping.is_set() and self._loop_task is None:
             return  # stopped: the server redelivers it after ack_wait
         task = asyncio.create_task(self._process(msg))
@@ -1314,6 +1531,13 @@ class Consumer(_Receiver[M, None]):
             while self._requests and self._requests[0][0] + 1.0 < now:
                 self._requests.popleft()  # its status never came (reconnect): forget it
             free = self._max_concurrency - len(self._inflight) - self.outstanding
+            paused_s = self._pull_paused_until - now
+            if paused_s > 0:
+                # The last pulls were refused: wait out the backoff (a handler finishing
+                # does not end it; stopping does).
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), timeout=paused_s)
+                continue
             if free >= chunk_min or (free > 0 and not self._requests):
                 n = min(free, self._batch)
                 request = {"batch": n, "expires": int(expires_s * 1e9)}
@@ -1325,7 +1549,8 @@ class Consumer(_Receiver[M, None]):
                     log.info("consumer %s/%s: connection closed", self.stream, self.durable)
                     return
                 except nats.errors.Error as exc:
-                    log.warning("consumer %s/%s: pull failed: %s", self.stream, self.durable, exc)
+                    self._pull_refused("disconnected", f"pull not sent: {exc}")
+                    continue
                 else:
                     self._requests.append([now + expires_s, float(n)])
                     continue
@@ -1334,7 +1559,10 @@ class Consumer(_Receiver[M, None]):
                 await asyncio.wait_for(self._wakeup.wait(), timeout=expires_s / 2)
 
     def _backoff_s(self, num_delivered: int) -> float:
-        return float(min(self._error_backoff_s * 2 ** max(num_delivered - 1, 0), 60.0))
+        """Redelivery delay after a failed handler: `error_backoff_s` doubling per
+        delivery, capped at 60 s, jittered (half to all of it)."""
+        cap = min(self._error_backoff_s * 2 ** max(num_delivered - 1, 0), 60.0)
+        return float(cap * (0.5 + 0.5 * self._bus.rng.random()))
 
     async def _process(self, msg: Msg) -> None:
         async def in_progress() -> None:
@@ -1381,12 +1609,21 @@ class Consumer(_Receiver[M, None]):
                 metrics.retried.labels(family).inc()
                 await self._settle(msg, "nak", delay_s=exc.delay_s)
             return
-        log.exception(
-            "handler for %s seq %d (delivery %d) failed",
-            msg.subject,
-            delivery.stream_seq,
-            delivery.num_delivered,
-        )
+        kind = transient_kind(exc)
+        if kind is not None:
+            # Expected in a cluster (an election, a node restart): counted, said once per
+            # interval, no traceback.
+            metrics.transient_errors.labels("handler", kind).inc()
+            self._bus.faults.failed(f"handler for {family}", kind, str(exc))
+        else:
+            self._bus._log_failure(
+                family,
+                exc,
+                "handler for %s seq %d (delivery %d) failed",
+                msg.subject,
+                delivery.stream_seq,
+                delivery.num_delivered,
+            )
         metrics.rejected.labels(family, "handler_error").inc()
         if self._last_try(delivery):
             metrics.rejected.labels(family, "exhausted").inc()

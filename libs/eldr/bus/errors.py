@@ -15,6 +15,16 @@ class NoRespondersError(BusError):
     """Nobody is subscribed to the subject of a request (or no stream for a publish)."""
 
 
+class UnavailableError(BusError):
+    """JetStream answered 503: the stream or the cluster has no leader or quorum now
+    (an election, a node down). Retryable (`eldr.bus.transient`)."""
+
+
+class DisconnectedError(BusError):
+    """The client is between servers (reconnecting): the operation was not sent.
+    Retryable (`eldr.bus.transient`)."""
+
+
 class NotFoundError(BusError):
     """The stream, consumer, message or object does not exist."""
 

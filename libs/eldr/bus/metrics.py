@@ -82,6 +82,20 @@ class BusMetrics:
             ["family", "transport"],
             registry=registry,
         )
+        self.transient_errors = Counter(
+            "eldr_bus_transient_errors_total",
+            "Expected faults of a clustered bus (a leader election, a node restart), "
+            "retried with backoff: by operation and kind (eldr.bus.transient).",
+            ["op", "kind"],
+            registry=registry,
+        )
+        self.hedged = Counter(
+            "eldr_bus_requests_hedged_total",
+            "Requests sent again because no answer came within their hedge delay (the "
+            "first answer of any copy is taken), by subject family.",
+            ["family"],
+            registry=registry,
+        )
         self.handler_seconds = Histogram(
             "eldr_bus_handler_duration_seconds",
             "Time spent in message handlers, by subject family.",
