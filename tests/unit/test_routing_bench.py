@@ -209,3 +209,16 @@ def test_eldr_beats_load_only_routing_on_real_traces() -> None:
     assert by_target[0]["copies_same_worker_share"]["eldr_cost"] < 0.01
     # It does not cover batch 16 or 32; the summary says so.
     assert all(t["arrivals"]["apart"] is False for t in by_target[1:])
+
+
+def test_a_profile_given_as_json_joins_the_lineup_labelled_by_what_it_changes() -> None:
+    from eldr.bench.routing_bench import policy_lineup, profile_label
+    from eldr.core.routing.profile import EldrBandCostProfile, decode_profile
+
+    assert profile_label(EldrBandCostProfile()) == "eldr_band_cost"
+    assert profile_label(EldrBandCostProfile(slack=0.1)) == "eldr_band_cost slack=0.1"
+    extra = decode_profile('{"policy": "eldr_band_cost", "slack": 0.1}')
+    lineup = policy_lineup(["jsq", "eldr_band_cost"], {}, False, [extra])
+    assert [bp.label for bp in lineup] == ["jsq", "eldr_band_cost", "eldr_band_cost slack=0.1"]
+    with pytest.raises(ValueError, match="already in the lineup"):
+        policy_lineup(["jsq"], {}, False, [extra, extra])

@@ -102,7 +102,16 @@ def _register_bench(subparsers: Any) -> None:
     p.add_argument(
         "--variants",
         action="store_true",
-        help="also run the tail-safe variants (eldr@kv_tokens, eldr_bounded, eldr_cost+partition)",
+        help="also run the variants (eldr_cost, eldr@kv_tokens, eldr_bounded, eldr_cost+partition)",
+    )
+    p.add_argument(
+        "--add-profile",
+        action="append",
+        default=[],
+        metavar="JSON",
+        help='also run this routing profile, e.g. \'{"policy": "eldr_band_cost", "slack": 0.1}\' '
+        "or a pipeline of stages (repeat; each row is labelled by what differs from its "
+        "policy's defaults)",
     )
     p.add_argument(
         "--scenario",
@@ -226,6 +235,7 @@ def _run_bench(args: argparse.Namespace) -> int:
             else BenchConfig.policies
         ),
         variants=args.variants,
+        extra_profiles=tuple(_decoded_profile(x) for x in args.add_profile),
         arrivals_apart=not args.with_replacement,
         reference=not args.no_reference,
         information=(
@@ -273,6 +283,17 @@ def _run_bench_seeds(
     if json_path:
         json_path.write_text(json.dumps({"robustness": summary, "runs": runs}, indent=2))
     return 0
+
+
+def _decoded_profile(text: str) -> ProfileBase:
+    """A routing profile from its JSON (`--add-profile`); a clear error names the problem."""
+    from eldr.core.routing.profile import decode_profile
+    from eldr.errors import InputError
+
+    try:
+        return decode_profile(text)
+    except ValueError as exc:
+        raise InputError(f"--add-profile: {exc}") from None
 
 
 def _run_online(args: argparse.Namespace) -> int:

@@ -130,12 +130,27 @@ class BenchPolicy:
     profile: ProfileBase
 
 
+def profile_label(profile: ProfileBase) -> str:
+    """A row label for a profile: its policy's name and what differs from that policy's
+    defaults (e.g. "eldr_band_cost slack=0.1")."""
+    defaults = type(profile)().params()
+    changed = [
+        f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+        for k, v in profile.params().items()
+        if defaults.get(k) != v
+    ]
+    return " ".join([profile.name, ",".join(changed)]) if changed else profile.name
+
+
 def policy_lineup(
-    names: Sequence[str], overrides: Mapping[str, object], variants: bool
+    names: Sequence[str],
+    overrides: Mapping[str, object],
+    variants: bool,
+    extra: Sequence[ProfileBase] = (),
 ) -> list[BenchPolicy]:
     """The policies of a run: `names` as given (their own label; DECODE_SIGNATURE is the
     oracle profile), each with the `overrides` it takes (`BenchConfig.overrides`), plus
-    the variants."""
+    the variants, plus `extra` profiles as given (`profile_label`)."""
 
     def profile(name: str, **fixed: object) -> ProfileBase:
         return profile_from_params(name, {**params_taken(name, overrides), **fixed})
@@ -156,6 +171,13 @@ def policy_lineup(
                 profile(EldrCostProfile().name, locality_weight=LOCALITY_WEIGHT_VARIANT),
             ),
         ]
+    taken = {bp.label for bp in out}
+    for extra_profile in extra:
+        label = profile_label(extra_profile)
+        if label in taken:
+            raise ValueError(f"profile {label!r} is already in the lineup")
+        taken.add(label)
+        out.append(BenchPolicy(label, extra_profile))
     return out
 
 
@@ -178,6 +200,8 @@ class BenchConfig:
     seed: int = 0
     policies: tuple[str, ...] = (*BASELINES, DEFAULT_POLICY, PAPER_POLICY, DECODE_SIGNATURE)
     variants: bool = False
+    extra_profiles: tuple[ProfileBase, ...] = ()
+    """Further profiles to run as given (`--add-profile`), labelled by `profile_label`."""
     arrivals_apart: bool = True
     """Keep copies of one request apart (False: draw with replacement, as before issue 17)."""
     reference: bool = True
@@ -193,7 +217,7 @@ class BenchConfig:
         return {k: v for k, v in pairs if v is not None}
 
     def lineup(self) -> list[BenchPolicy]:
-        return policy_lineup(self.policies, self.overrides, self.variants)
+        return policy_lineup(self.policies, self.overrides, self.variants, self.extra_profiles)
 
 
 @dataclass
