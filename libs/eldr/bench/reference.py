@@ -13,22 +13,24 @@ tokens, one token per step, on the worker it is assigned; a worker's step loads 
 over all steps and workers, the expert union summed over steps (the arrivals' decode tokens
 are fixed, so this is also the union per decode token). The ceiling: at every step no
 worker runs more requests than `cap[step]` (`eldr bench` takes, step by step, the largest
-batch of the default policy's own assignment, so the reference is never less balanced than
-the policy it is compared with).
+batch any of its starts runs at that step, so every start meets it and the search can only
+improve on each).
 
-The search, from each start assignment (`eldr bench`: the default policy's own, which
-meets the ceiling by construction), sweeps the arrivals in time order: it moves each request
-to the worker where it adds the fewest loads net of what it frees, if that lowers the total
-and the ceiling holds on every step the request runs; where the ceiling blocks the best
-move, it tries that move as a swap with the request of the target worker that is best moved
-back. Sweeps repeat until one gains less than `min_gain` of the total, at most
-`max_passes`; the best result over the starts is kept. A sweep keeps only the steps a
+The search sweeps the arrivals in time order once from each start assignment (`eldr bench`:
+the default's, the paper rule's, the decode-signature rule's and a random balanced one, all
+within the ceiling), and goes on sweeping from the one with the fewest loads after that
+first sweep. A sweep moves each request to the worker where it adds the fewest loads net
+of what it frees, if that lowers the total and the ceiling holds on every step the request
+runs; where the ceiling blocks the best move, it tries that move as a swap with the request
+of the target worker that is best moved back. Sweeps repeat until one gains less than
+`min_gain` of the total, at most `max_passes` in all. A sweep keeps only the steps a
 request can touch (twice the longest decode) in a ring buffer, workers innermost, so memory
 does not grow with the run and each evaluation reads contiguous bytes.
 
 This is a local search, so its union is what one assignment reaches, not a proof that none
 does better: a policy's share of its reduction can only overstate the policy's share of the
-true optimum's, and starting from the default's assignment favours assignments near it.
+true optimum's. It is called a reference, not a bound: `eldr bench` reports which policies,
+if any, get below it.
 (A greedy start built in arrival order was tried: it broke the ceiling in the drain and
 was worse than the default's assignment before any search.)
 """
@@ -98,6 +100,8 @@ class LockstepModel:
         # s can touch, swap partners included), so their steps lie in [s, s + 3 x max_tokens).
         self._ring_steps = 3 * self._max_tokens + 1
         self._rings: dict[int, np.ndarray] = {}
+        self._order = [int(a) for a in np.argsort(self.first_step, kind="stable")]
+        """Arrivals in the order a sweep visits them (by first step)."""
 
     def _pairs(self, arrival: int) -> tuple[np.ndarray, np.ndarray]:
         """The arrival's distinct (absolute step, id) pairs."""
@@ -157,43 +161,39 @@ class LockstepModel:
             if (self.batches(asg) > cap[None, :]).any():
                 raise ValueError(f"{name} exceeds the cap")
         dtype: type = np.uint8 if int(cap.max(initial=0)) < 255 else np.uint16
-        best: SearchResult | None = None
+        # One sweep from every start; the one with the fewest loads after it goes on
+        # (a sweep costs the same from any start, and the first gains the most).
+        first: list[tuple[int, str, np.ndarray, np.ndarray, int, int]] = []
         start_loads: dict[str, int] = {}
         for name, asg in named:
             loads0 = self.loads(asg)
-            loads, passes, moves = self._improve(asg, loads0, cap, max_passes, min_gain, dtype)
             start_loads[name] = loads0
-            if best is None or loads < best.loads:
-                best = SearchResult(asg, loads, name, passes, moves, {})
-        assert best is not None
-        return SearchResult(
-            best.assignment, best.loads, best.start, best.passes, best.moves, start_loads
-        )
-
-    def _improve(
-        self,
-        asg: np.ndarray,
-        loads: int,
-        cap: np.ndarray,
-        max_passes: int,
-        min_gain: float,
-        dtype: type,
-    ) -> tuple[int, int, int]:
-        """Sweeps in place: (loads after, sweeps, moves)."""
-        batch = self.batches(asg)
-        order = np.argsort(self.first_step, kind="stable")
-        passes = moves = 0
-        for _ in range(max_passes):
-            passes += 1
-            before = loads
-            sweep = _Sweep(self, asg, batch, cap, dtype)
-            for a in (int(x) for x in order):
-                gain, moved = sweep.visit(a)
-                loads += gain
+            batch = self.batches(asg)
+            loads, moves = self._sweep(asg, batch, loads0, cap, dtype)
+            first.append((loads, name, asg, batch, moves, loads0))
+        loads, name, asg, batch, moves, loads0 = min(first, key=lambda f: (f[0], f[1]))
+        passes = 1
+        if loads0 - loads >= min_gain * loads0:
+            while passes < max_passes:
+                before = loads
+                loads, moved = self._sweep(asg, batch, loads, cap, dtype)
+                passes += 1
                 moves += moved
-            if before - loads < min_gain * before:
-                break
-        return loads, passes, moves
+                if before - loads < min_gain * before:
+                    break
+        return SearchResult(asg, loads, name, passes, moves, start_loads)
+
+    def _sweep(
+        self, asg: np.ndarray, batch: np.ndarray, loads: int, cap: np.ndarray, dtype: type
+    ) -> tuple[int, int]:
+        """One sweep in arrival order, in place: (loads after, requests moved)."""
+        sweep = _Sweep(self, asg, batch, cap, dtype)
+        moves = 0
+        for a in self._order:
+            gain, moved = sweep.visit(a)
+            loads += gain
+            moves += moved
+        return loads, moves
 
 
 class _Sweep:
