@@ -222,3 +222,21 @@ def test_a_profile_given_as_json_joins_the_lineup_labelled_by_what_it_changes() 
     assert [bp.label for bp in lineup] == ["jsq", "eldr_band_cost", "eldr_band_cost slack=0.1"]
     with pytest.raises(ValueError, match="already in the lineup"):
         policy_lineup(["jsq"], {}, False, [extra, extra])
+
+
+def test_the_worst_case_over_seeds_needs_no_reference() -> None:
+    """`eldr bench --seeds ... --no-reference`: the summaries hold no share of a reference,
+    and the worst case over seeds is reported without one (it failed with a KeyError)."""
+    from eldr.bench.routing_bench import robustness
+
+    rows = [
+        _row("round_robin", 10.0, 12.0, 8.0),
+        _row("jsq", 10.5, 11.5, 7.5),
+        _row("eldr_band_cost", 9.0, 11.0, 6.3),
+        _row("eldr", 9.5, 11.8, 6.6),
+    ]
+    s = summarize_rate(rows, "p")
+    assert "default_share_of_reference" not in s
+    worst = robustness([{**s, "by_target": [s]}, {**s, "by_target": [s]}])
+    assert worst["default"]["union_pct_worst"] == s["default_vs_best_baseline_union_pct"]
+    assert "share_of_reference_worst" not in worst["default"]

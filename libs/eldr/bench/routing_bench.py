@@ -1089,9 +1089,9 @@ def _worst(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "tpot_p50_pct_worst": max(s[f"{key}_vs_best_baseline_tpot_p50_pct"] for s in rows),
             "tpot_p99_pct_worst": max(s[f"{key}_vs_best_baseline_tpot_p99_pct"] for s in rows),
         }
-        shares = [s[f"{key}_share_of_reference"] for s in rows]
+        # Without the reference (`--no-reference`) no summary holds a share.
         shares = (
-            [x for x in shares if x is not None]
+            [x for s in rows if (x := s[f"{key}_share_of_reference"]) is not None]
             if all(f"{key}_share_of_reference" in s for s in rows)
             else []
         )

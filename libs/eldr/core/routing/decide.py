@@ -61,7 +61,7 @@ from eldr.core.routing.activity import (
 )
 from eldr.core.routing.loadtable import LoadTable
 from eldr.core.routing.pipeline import Choice, FleetView, PipelinePolicy, Policy, make_policy
-from eldr.core.routing.profile import LoadMeasure, ProfileBase
+from eldr.core.routing.profile import LoadMeasure, NearestCentroids, ProfileBase
 
 FALLBACK_REASONS = (
     "no_partition",
@@ -236,13 +236,11 @@ def locality_scores(
     cal = partition.calibration
     if req.counts.size != cal.num_moe_layers * cal.num_experts:
         return None, "geometry_mismatch"
-    if not np.any(req.counts):
+    cells = req.cells()
+    if cells is None or not cells[0].size:
         return None, "empty_signature"
     if nearest is not None:
-        cells = req.cells()
-        scores = partition.nearest_for(
-            req.counts, live, nearest, None if cells is None else cells[:2]
-        )
+        scores = partition.nearest_for(req.counts, live, nearest, cells[:2])
     else:
         scores = partition.scores_for(req.counts, live, tau=tau)
     if not np.isfinite(scores).any():
@@ -364,8 +362,13 @@ def route(
     fleet_scale = isinstance(policy, PipelinePolicy) and policy.fleet_scale
     fallback: str | None = None
     if scores is None and policy.wants_scores:
-        k = profile.pipeline.candidates.k if fleet_scale else None  # type: ignore[union-attr]
-        scores, reason = locality_scores(partition, req, workers, profile.band_tau, k)
+        k = None
+        if isinstance(policy, PipelinePolicy) and isinstance(
+            policy.spec.candidates, NearestCentroids
+        ):
+            k = policy.spec.candidates.k
+        tau = policy.band_tau if isinstance(policy, PipelinePolicy) else profile.band_tau
+        scores, reason = locality_scores(partition, req, workers, tau, k)
         if policy.uses_signature and scores is None:
             fallback = reason
     activation: ExpertDemand | None = None

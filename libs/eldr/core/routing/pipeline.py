@@ -207,6 +207,7 @@ class PipelinePolicy(Policy):
         self.wants_scores = profile.wants_scores
         self.needs_signature = profile.needs_signature
         self.fleet_scale = profile.fleet_scale
+        self.band_tau = profile.band_tau
         self._cursor = 0
         self._next_id: str | None = None
 
