@@ -2,8 +2,10 @@
 
 For each `/v1/completions` or `/v1/chat/completions` request:
 
-1. Take the client's `X-Request-Id` (or make one): it travels with every hop and is the
-   id the decision is recorded under.
+1. Give the request its own id (`new_request_id`): it travels with every hop and is the
+   id the decision, the finish events and the profile are recorded under. The client's
+   `X-Request-Id`, if any, is only a label (`client_request_id` on the records) and comes
+   back in the response's `X-Request-Id`; `X-Eldr-Request-Id` carries the gateway's id.
 2. Send the prompt to the prefill instance with the fewest requests in flight, with
    `max_tokens = 1`, `kv_transfer_params.do_remote_decode`, and `vllm_xargs` naming the
    request id and this gateway's decision inbox. The capture plugin in that engine
@@ -60,14 +62,16 @@ from eldr.vllm.pd import (
     BadRequestError,
     BodyLimits,
     LeastOutstanding,
+    client_request_id_from,
     decode_body,
     decode_order,
     encode_body,
+    id_headers,
     max_tokens_of,
+    new_request_id,
     openai_error,
     parse_body,
     prefill_body,
-    request_id_from,
     request_outcome,
     response_headers,
 )
@@ -248,7 +252,9 @@ class Gateway:
                 if resp.status >= 500:
                     text = (await resp.read())[:500].decode("utf-8", "replace")
                     raise UpstreamError(f"{name}: HTTP {resp.status}: {text}")
-                headers = response_headers(resp.headers.items(), request_id, name)
+                headers = response_headers(
+                    resp.headers.items(), request_id, name, finish.client_request_id
+                )
                 if not body.get("stream") or resp.status != 200:
                     answered = True
                     payload = await resp.read()
@@ -334,8 +340,9 @@ class Gateway:
         self, request: web.Request, path: str, *, chat: bool
     ) -> web.StreamResponse:
         s = self.settings
+        request_id = new_request_id()
         try:
-            request_id = request_id_from(request.headers.get(REQUEST_ID_HEADER))
+            client_id = client_request_id_from(request.headers.get(REQUEST_ID_HEADER))
             try:
                 data = await asyncio.wait_for(request.read(), timeout=s.gateway_body_timeout_s)
             except TimeoutError:
@@ -355,7 +362,7 @@ class Gateway:
         except BadRequestError as exc:
             self.metrics.refused_bodies.labels("invalid").inc()
             return _error(400, str(exc), param=exc.param)
-        finish = FinishTracker(request_id, self.settings.instance_id, time.time)
+        finish = FinishTracker(request_id, self.settings.instance_id, time.time, client_id)
         outcome: FinishReason = "error"
         try:
             return await self._route_and_decode(request, path, body, request_id, finish)
@@ -376,28 +383,28 @@ class Gateway:
         request_id: str,
         finish: FinishTracker,
     ) -> web.StreamResponse:
+        ids = id_headers(request_id, finish.client_request_id)
         with self.decisions.expecting(request_id) as waiter:
             pre = prefill_body(
                 body,
                 request_id,
                 self.inbox,
                 decision_budget_s=self.settings.gateway_decision_timeout_s,
+                client_request_id=finish.client_request_id,
             )
             if self.response_sources:
                 pre.update(RETURN_FIELDS)
             try:
                 prefill_name, prefill_response = await self.prefill(path, pre, request_id)
             except ClientAnswer as answer:
-                return answer.response(request_id)
+                return answer.response(ids)
             except UpstreamError as exc:
-                return _error(502, f"prefill failed: {exc}", request_id=request_id)
+                return _error(502, f"prefill failed: {exc}", headers=ids)
             answered = time.perf_counter()
             if self.response_sources:
-                await self._publish_from_response(prefill_response, prefill_name, request_id, body)
+                await self._publish_from_response(prefill_response, prefill_name, finish, body)
             else:
-                await self._fall_back_if_uncaptured(
-                    prefill_name, prefill_response, request_id, body
-                )
+                await self._fall_back_if_uncaptured(prefill_name, prefill_response, finish, body)
             decision: Decision | None
             try:
                 decision, source = await self.decisions.wait(
@@ -427,10 +434,14 @@ class Gateway:
                 finish,
             )
         except UpstreamError as exc:
-            return _error(502, f"decode failed: {exc}", request_id=request_id)
+            return _error(502, f"decode failed: {exc}", headers=ids)
 
     async def _fall_back_if_uncaptured(
-        self, prefill_name: str, response: dict[str, Any], request_id: str, body: dict[str, Any]
+        self,
+        prefill_name: str,
+        response: dict[str, Any],
+        finish: FinishTracker,
+        body: dict[str, Any],
     ) -> None:
         """When the prefill instance's capture cannot produce this request's PrefillDone
         (its plugin says it is off or failed, or it never said anything), publish one
@@ -444,6 +455,7 @@ class Gateway:
         geometry = None
         if status is not None and status.num_moe_layers and status.num_experts:
             geometry = (status.num_moe_layers, status.num_experts)
+        request_id = finish.request_id
         event = unavailable_prefill_done(
             request_id=request_id,
             model=str(body.get("model") or ""),
@@ -456,6 +468,7 @@ class Gateway:
             problem=problem,
             wall_s=time.time(),
             decision_budget_s=self.settings.gateway_decision_timeout_s,
+            client_request_id=finish.client_request_id,
         )
         bus = self.ctx.bus
         try:
@@ -496,9 +509,10 @@ class Gateway:
             )
 
     async def _publish_from_response(
-        self, response: dict[str, Any], prefill_name: str, request_id: str, body: dict[str, Any]
+        self, response: dict[str, Any], prefill_name: str, finish: FinishTracker, body: dict
     ) -> None:
         """The routed_experts source: publish blocks and PrefillDone ourselves."""
+        request_id = finish.request_id
         try:
             result = self.response_sources[prefill_name].from_response(
                 response,
@@ -508,6 +522,7 @@ class Gateway:
                 reply_to=self.inbox,
                 max_tokens=max_tokens_of(body),
                 decision_budget_s=self.settings.gateway_decision_timeout_s,
+                client_request_id=finish.client_request_id,
             )
         except SourceError as exc:
             log.warning("no signature for %s from %s: %s", request_id, prefill_name, exc)
@@ -595,8 +610,7 @@ class ClientAnswer(Exception):  # noqa: N818 - a control-flow signal, not an err
         self.payload = payload
         self.content_type = content_type
 
-    def response(self, request_id: str) -> web.Response:
-        headers = {REQUEST_ID_HEADER: request_id}
+    def response(self, headers: dict[str, str]) -> web.Response:
         if self.content_type == "application/json":
             return web.Response(
                 body=self.payload,
@@ -605,13 +619,16 @@ class ClientAnswer(Exception):  # noqa: N818 - a control-flow signal, not an err
                 content_type="application/json",
             )
         message = self.payload[:1000].decode("utf-8", "replace")
-        return _error(self.status, message, request_id=request_id)
+        return _error(self.status, message, headers=headers)
 
 
 def _error(
-    status: int, message: str, *, param: str | None = None, request_id: str | None = None
+    status: int,
+    message: str,
+    *,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
 ) -> web.Response:
-    headers = {REQUEST_ID_HEADER: request_id} if request_id else None
     return web.json_response(
         openai_error(message, status, param=param), status=status, headers=headers
     )

@@ -526,6 +526,7 @@ class RouterService:
             rng_seed=outcome.rng_seed,
             fleet=list(outcome.fleet),
             prompt_tokens=msg.n_prompt_tokens,
+            client_request_id=msg.client_request_id,
         )
         # Counted now, before the commit's ack: decisions overlapping this one's commit see
         # it. Taken back if the commit does not stand.
@@ -578,6 +579,7 @@ class RouterService:
             decide_s=time.perf_counter() - taken,
             prompt_tokens=msg.n_prompt_tokens,
             outcome="expired",
+            client_request_id=msg.client_request_id,
         )
         if not await self._commit(msg, subject, record):
             return

@@ -122,13 +122,14 @@ class StandInVllm:
                     model="m",
                     prefill_worker=self.name,
                     ts_s=time.time(),
-                    block_size=16,
+                    block_size=4096,  # the stand-in's prompts are shorter than one block
                     block_hashes=[],
-                    n_prompt_tokens=3,
+                    n_prompt_tokens=prompt_length(body),
                     partial=None,
                     num_moe_layers=2,
                     num_experts=4,
                     reply_to=xargs["eldr_reply_to"],
+                    client_request_id=xargs.get("eldr_client_request_id"),
                 ),
             )
         return web.json_response(
@@ -157,6 +158,12 @@ class StandInVllm:
                 num_experts=4,
             ),
         )
+
+
+def prompt_length(body: dict[str, Any]) -> int:
+    """The stand-in's "prompt tokens": the prompt's length as JSON (so that a decision
+    record shows which prompt it was made on)."""
+    return len(json.dumps(body.get("prompt") or body.get("messages")))
 
 
 def service(name: str, settings: Any, setup: Any) -> AbstractAsyncContextManager[None]:
@@ -274,7 +281,12 @@ def decoded_by(stack: Stack, request_id: str) -> list[StandInVllm]:
     return [d for d in stack.decoders if any(rid == request_id for _, _, rid in d.seen)]
 
 
-async def test_completion_goes_prefill_decision_decode_under_the_clients_id(stack: Stack) -> None:
+def rid_of(resp: aiohttp.ClientResponse) -> str:
+    """The gateway's own id of the request (what its records are under)."""
+    return resp.headers["X-Eldr-Request-Id"]
+
+
+async def test_a_completion_goes_prefill_decision_decode_under_its_own_id(stack: Stack) -> None:
     async with aiohttp.ClientSession() as http:
         resp = await http.post(
             stack.url + "/v1/completions",
@@ -284,18 +296,75 @@ async def test_completion_goes_prefill_decision_decode_under_the_clients_id(stac
         body = await resp.json()
     assert resp.status == 200
     assert resp.headers["X-Request-Id"] == "client-42"
+    rid = rid_of(resp)
+    assert rid.startswith("eldr-")
     (_prefill_path, prefill_body, prefill_rid) = stack.prefill.seen[0]
-    assert prefill_rid == "client-42"
+    assert prefill_rid == rid
     assert prefill_body["max_tokens"] == 1
-    assert prefill_body["vllm_xargs"]["eldr_request_id"] == "client-42"
-    (decoder,) = decoded_by(stack, "client-42")
+    assert prefill_body["vllm_xargs"]["eldr_request_id"] == rid
+    assert prefill_body["vllm_xargs"]["eldr_client_request_id"] == "client-42"
+    (decoder,) = decoded_by(stack, rid)
     _, decode_body, _ = decoder.seen[0]
     assert decode_body["kv_transfer_params"] == {"remote_engine_id": "prefill-0"}
     assert decode_body["max_tokens"] == 8
     assert body["choices"][0]["text"] == f'{decoder.name}:"hello"'
-    recorded = await decision_of(stack.bus, "client-42")
+    recorded = await decision_of(stack.bus, rid)
     assert recorded is not None
     assert recorded.worker_id == decoder.name == resp.headers["X-Eldr-Decode-Worker"]
+    assert recorded.client_request_id == "client-42"
+    assert await decision_of(stack.bus, "client-42") is None  # a label, never a key
+
+
+async def test_two_requests_with_one_client_id_get_two_decisions_on_their_own_prompts(
+    stack: Stack, finishes: Finishes
+) -> None:
+    """Issue 22's collision: with the client's X-Request-Id as the key, two concurrent
+    requests sharing it made one decision record, the second was never routed on its own
+    prompt, took over the first's inbox reply, and the same id later was served the old
+    decision. Each request now has its own id; the client's is a label."""
+    for decoder in stack.decoders:
+        decoder.stream_pieces, decoder.stream_gap_s = 4, 0.05  # both in flight at once
+    prompts = ["first prompt", "the second, longer prompt"]
+
+    async def ask(http: aiohttp.ClientSession, prompt: str) -> tuple[str, str, str]:
+        async with http.post(
+            stack.url + "/v1/completions",
+            json={"prompt": prompt, "max_tokens": 4, "stream": True},
+            headers={"X-Request-Id": "same-id"},
+        ) as resp:
+            assert resp.status == 200
+            assert resp.headers["X-Request-Id"] == "same-id"
+            text = await resp.text()
+            return rid_of(resp), resp.headers["X-Eldr-Decode-Worker"], text
+
+    async with aiohttp.ClientSession() as http:
+        answers = await asyncio.gather(*(ask(http, p) for p in prompts))
+        # The same client id a while later: a new request, a new decision.
+        later = await ask(http, "asked again later")
+    for (rid, worker, text), prompt in zip(answers, prompts, strict=True):
+        decision = await decision_of(stack.bus, rid)
+        assert decision is not None
+        assert decision.client_request_id == "same-id"
+        assert decision.worker_id == worker
+        assert decision.prompt_tokens == len(json.dumps(prompt))  # decided on its own prompt
+        # Decoded on its own prompt, under its own id.
+        ((_, decoded, _),) = [seen for d in stack.decoders for seen in d.seen if seen[2] == rid]
+        assert decoded["prompt"] == prompt
+        assert json.dumps(prompt) in "".join(
+            json.loads(line[6:])["choices"][0]["text"]
+            for line in text.splitlines()
+            if line.startswith("data: {")
+        )
+        final = await finishes.final(rid)
+        assert (final.reason, final.client_request_id, final.worker_id) == (
+            "stop",
+            "same-id",
+            worker,
+        )
+    decision = await decision_of(stack.bus, later[0])
+    assert decision is not None
+    assert decision.prompt_tokens == len(json.dumps("asked again later"))
+    assert len({rid for rid, _, _ in (*answers, later)}) == 3
 
 
 async def test_streaming_chat_is_passed_through(stack: Stack) -> None:
@@ -312,7 +381,7 @@ async def test_streaming_chat_is_passed_through(stack: Stack) -> None:
     chunks = [line[6:] for line in raw.splitlines() if line.startswith("data: ")]
     assert chunks[-1] == "[DONE]"
     text = "".join(json.loads(c)["choices"][0]["text"] for c in chunks[:-1])
-    (decoder,) = decoded_by(stack, "chat-1")
+    (decoder,) = decoded_by(stack, rid_of(resp))
     assert text == f"{decoder.name}:{json.dumps(messages)}"
     assert stack.prefill.seen[0][0] == "/v1/chat/completions"
 
@@ -327,7 +396,7 @@ async def test_a_failing_decoder_is_replaced_before_streaming(stack: Stack) -> N
         )
         body = await resp.json()
     assert resp.status == 200
-    tried = decoded_by(stack, "retry-1")
+    tried = decoded_by(stack, rid_of(resp))
     assert len(tried) == 2
     assert body["choices"][0]["text"].startswith(resp.headers["X-Eldr-Decode-Worker"])
 
@@ -354,7 +423,7 @@ async def test_without_a_decision_the_least_loaded_decoder_serves(stack: Stack) 
         assert resp.status == 200
         metrics = await (await http.get(stack.url + "/metrics")).text()
     assert 'eldr_gateway_decisions_total{source="fallback"} 1.0' in metrics
-    assert await decision_of(stack.bus, "nd") is None
+    assert await decision_of(stack.bus, rid_of(resp)) is None
 
 
 async def test_models_health_and_readiness(stack: Stack) -> None:
@@ -423,17 +492,18 @@ async def test_every_request_ends_in_exactly_one_finish_event(
             headers={"X-Request-Id": "f-refused"},
         )
         assert refused.status == 400
-    final = await finishes.final("f-whole")
+    final = await finishes.final(rid_of(whole))
     assert (final.reason, final.output_tokens, final.gateway_id) == ("length", 7, "gw0")
     assert final.worker_id == whole.headers["X-Eldr-Decode-Worker"]
     assert final.decode_s is not None
-    (subject, _), *_ = finishes.events["f-whole"]
+    assert final.client_request_id == "f-whole"
+    (subject, _), *_ = finishes.events[rid_of(whole)]
     assert subject == stack.bus.subjects.finished("gw0")
-    final = await finishes.final("f-stream")
+    final = await finishes.final(rid_of(streamed))
     assert (final.reason, final.worker_id) == ("stop", streamed.headers["X-Eldr-Decode-Worker"])
     # Refused by the prefill (a 4xx): it never reached a decode worker.
-    final = await finishes.final("f-refused")
-    assert (final.reason, final.worker_id) == ("error", None)
+    final = await finishes.final(rid_of(refused))
+    assert (final.reason, final.worker_id, final.client_request_id) == ("error", None, "f-refused")
 
 
 async def test_a_retried_request_leaves_its_first_worker_in_a_moved_event(
@@ -445,10 +515,10 @@ async def test_a_retried_request_leaves_its_first_worker_in_a_moved_event(
             stack.url + "/v1/completions", json={"prompt": "p"}, headers={"X-Request-Id": "mv"}
         )
         assert resp.status == 200
-    final = await finishes.final("mv")
-    moves = [m for _, m in finishes.events["mv"] if m.reason == "moved"]
+    final = await finishes.final(rid_of(resp))
+    moves = [m for _, m in finishes.events[rid_of(resp)] if m.reason == "moved"]
     (move,) = moves
-    decision = await decision_of(stack.bus, "mv")
+    decision = await decision_of(stack.bus, rid_of(resp))
     assert decision is not None
     assert move.worker_id == decision.worker_id
     assert move.moved_to == final.worker_id == resp.headers["X-Eldr-Decode-Worker"]
@@ -468,7 +538,7 @@ async def test_a_client_that_breaks_off_a_stream_ends_in_an_abort(
         )
         await resp.content.readany()  # the first chunk, then hang up
         resp.close()
-    final = await finishes.final("ab")
+    final = await finishes.final(rid_of(resp))
     assert final.reason == "abort"
     assert final.worker_id in {d.name for d in stack.decoders}
 
@@ -488,11 +558,12 @@ async def test_a_prefill_whose_capture_failed_is_routed_load_only_at_once(
         metrics = await (await http.get(stack.url + "/metrics")).text()
     # The decision timeout is 2 s: the fallback did not wait for it.
     assert time.monotonic() - started < 1.5
-    decision = await decision_of(stack.bus, "nc")
+    decision = await decision_of(stack.bus, rid_of(resp))
     assert decision is not None
     assert decision.worker_id == resp.headers["X-Eldr-Decode-Worker"]
     assert decision.signature is None
-    event = await prefill_done_of(stack.bus, "nc")
+    event = await prefill_done_of(stack.bus, rid_of(resp))
+    assert event.client_request_id == "nc"
     assert (event.capture, event.attrs) == ("unavailable", {"eldr_capture": "capture_failed"})
     assert event.n_prompt_tokens == 3  # from the prefill's usage
     assert 'eldr_gateway_capture_fallbacks_total{reason="capture_failed"} 1.0' in metrics
@@ -507,7 +578,7 @@ async def test_a_prefill_whose_capture_failed_is_routed_load_only_at_once(
             stack.url + "/v1/completions", json={"prompt": "p"}, headers={"X-Request-Id": "ok"}
         )
         assert resp.status == 200
-    decision = await decision_of(stack.bus, "ok")
+    decision = await decision_of(stack.bus, rid_of(resp))
     assert decision is not None
     assert decision.fallback is None
 
@@ -523,7 +594,7 @@ async def test_a_prefill_that_never_reports_capture_is_routed_load_only(stack: S
         assert resp.status == 200
         metrics = await (await http.get(stack.url + "/metrics")).text()
     assert time.monotonic() - started < 1.5
-    decision = await decision_of(stack.bus, "ns")
+    decision = await decision_of(stack.bus, rid_of(resp))
     assert decision is not None
-    assert (await prefill_done_of(stack.bus, "ns")).capture == "unavailable"
+    assert (await prefill_done_of(stack.bus, rid_of(resp))).capture == "unavailable"
     assert 'eldr_gateway_capture_fallbacks_total{reason="no_capture_status"} 1.0' in metrics

@@ -16,7 +16,7 @@ from eldr.vllm.capture import (
     LocalSummary,
     StepResult,
 )
-from eldr.vllm.plugin import client_request_id
+from eldr.vllm.plugin import base_request_id
 from eldr.wire import PrefillDone
 from eldr.wire.base import MAX_BLOCKS_PER_BATCH
 
@@ -228,8 +228,8 @@ def test_chunked_interleaved_prefill_assembles_the_exact_signature(
         ("plain", "plain"),
     ],
 )
-def test_client_request_id_is_recovered_from_vllm_ids(engine_id: str, client_id: str) -> None:
-    assert client_request_id(engine_id) == client_id
+def test_the_base_request_id_is_recovered_from_vllm_ids(engine_id: str, client_id: str) -> None:
+    assert base_request_id(engine_id) == client_id
 
 
 def test_block_hashes_are_keyed_with_the_deployment_key_and_the_deadline_travels() -> None:

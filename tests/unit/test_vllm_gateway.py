@@ -23,6 +23,7 @@ from eldr.vllm.gateway import (
 )
 from eldr.vllm.pd import (
     DECODE_WORKER_HEADER,
+    ELDR_REQUEST_ID_HEADER,
     REQUEST_ID_HEADER,
     LeastOutstanding,
     decode_order,
@@ -133,13 +134,22 @@ def test_without_a_decision_the_least_loaded_decoder_goes_first() -> None:
 
 
 def test_response_headers_drop_hop_headers_and_name_the_request_and_decoder() -> None:
-    upstream = [("Content-Type", "application/json"), ("Content-Length", "12"), ("X-A", "1")]
+    upstream = [
+        ("Content-Type", "application/json"),
+        ("Content-Length", "12"),
+        ("X-A", "1"),
+        ("x-request-id", "what vLLM echoes"),
+    ]
     assert response_headers(upstream, "rid", "d1") == {
         "Content-Type": "application/json",
         "X-A": "1",
         REQUEST_ID_HEADER: "rid",
+        ELDR_REQUEST_ID_HEADER: "rid",
         DECODE_WORKER_HEADER: "d1",
     }
+    # The client's own id comes back as it sent it; the gateway's id beside it.
+    headers = response_headers(upstream, "eldr-1", "d1", "client-7")
+    assert (headers[REQUEST_ID_HEADER], headers[ELDR_REQUEST_ID_HEADER]) == ("client-7", "eldr-1")
 
 
 @pytest.mark.parametrize(

@@ -7,18 +7,20 @@ import pytest
 from eldr.vllm.load import AdmissionTracker, MetricsError, VllmLoad, parse_metrics
 from eldr.vllm.pd import (
     PREFILL_KV_PARAMS,
+    XARG_CLIENT_REQUEST_ID,
     XARG_MAX_TOKENS,
     XARG_REPLY_TO,
     XARG_REQUEST_ID,
     BadRequestError,
     LeastOutstanding,
     check_body,
+    client_request_id_from,
     decode_body,
     decode_candidates,
+    new_request_id,
     openai_error,
     parse_instances,
     prefill_body,
-    request_id_from,
 )
 from eldr.wire import Decision
 from support import messages
@@ -77,11 +79,26 @@ def test_invalid_bodies_are_refused_with_the_parameter(
     assert info.value.param == param
 
 
-def test_request_id_is_the_clients_or_a_fresh_one() -> None:
-    assert request_id_from("abc-1") == "abc-1"
-    assert request_id_from(None).startswith("eldr-")
+def test_every_request_gets_a_fresh_id_and_the_clients_is_a_validated_label() -> None:
+    assert new_request_id().startswith("eldr-")
+    assert new_request_id() != new_request_id()
+    assert client_request_id_from("abc-1") == "abc-1"
+    assert client_request_id_from(None) is None
     with pytest.raises(BadRequestError):
-        request_id_from("has space")
+        client_request_id_from("has space")
+
+
+def test_the_clients_id_travels_as_a_label_and_its_own_eldr_xargs_are_dropped() -> None:
+    body = {"prompt": "p", "vllm_xargs": {"eldr_reply_to": "decisions.x", "mine": 1}}
+    out = prefill_body(body, "eldr-1", "_INBOX.g", client_request_id="client-7")
+    assert out["vllm_xargs"] == {
+        "mine": 1,
+        XARG_REQUEST_ID: "eldr-1",
+        XARG_REPLY_TO: "_INBOX.g",
+        XARG_CLIENT_REQUEST_ID: "client-7",
+    }
+    assert decode_body(body, None, "eldr-1")["vllm_xargs"] == {"mine": 1, XARG_REQUEST_ID: "eldr-1"}
+    assert decode_body(body, None)["vllm_xargs"] == {"mine": 1}
 
 
 def test_error_body_is_openai_shaped() -> None:

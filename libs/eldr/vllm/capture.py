@@ -195,7 +195,7 @@ class RequestCapture:
     engine_id: str
     """The engine's request id (the key of the step layout)."""
     request_id: str
-    """The client's request id (what the decision is recorded under)."""
+    """The gateway's id of the request (what the decision is recorded under)."""
     token_ids: np.ndarray
     block_hashes: list[int]
     cached_blocks: int
@@ -207,6 +207,8 @@ class RequestCapture:
     decision_budget_s: float | None = None
     """How long the requester waits for the decision after the prefill (the gateway's
     budget, from `vllm_xargs`): the event's deadline is its publish time plus this."""
+    client_request_id: str | None = None
+    """The client's own id for the request (a label on the PrefillDone)."""
     attrs: dict[str, str] = field(default_factory=dict)
     rows: np.ndarray = field(init=False, repr=False)
     """int16 [n_prompt - first_row, L, k]: expert ids of the tokens from `first_row` on."""
@@ -466,6 +468,7 @@ def unavailable_prefill_done(
     problem: str,
     wall_s: float,
     decision_budget_s: float | None = None,
+    client_request_id: str | None = None,
 ) -> PrefillDone:
     """A PrefillDone for a prompt whose routing could not be captured: no block hashes,
     no counts, `capture = "unavailable"`, so a router decides load-only at once (recorded
@@ -491,7 +494,13 @@ def unavailable_prefill_done(
         attrs={"eldr_capture": problem[:64]},
         capture="unavailable",
         deadline_s=deadline_of(wall_s, decision_budget_s),
+        client_request_id=_label(client_request_id),
     )
+
+
+def _label(client_request_id: str | None) -> str | None:
+    """A client's request id as a record's label (bounded; None for none or empty)."""
+    return client_request_id[:MAX_ID_LEN] if client_request_id else None
 
 
 MAX_DECISION_BUDGET_S = 3600.0
@@ -556,6 +565,7 @@ class CaptureState:
         max_tokens: int | None = None,
         attrs: dict[str, str] | None = None,
         decision_budget_s: float | None = None,
+        client_request_id: str | None = None,
     ) -> RequestCapture | None:
         """Start tracking a request the engine scheduled for the first time.
 
@@ -586,6 +596,7 @@ class CaptureState:
             reply_to=reply_to,
             max_tokens=max_tokens,
             decision_budget_s=decision_budget_s,
+            client_request_id=_label(client_request_id),
             attrs=dict(list(capture_attrs.items())[:MAX_ATTRS]),
             block_size=bs,
             geometry=self.config.geometry,
@@ -615,6 +626,7 @@ class CaptureState:
             problem=problem,
             wall_s=wall_s,
             decision_budget_s=capture.decision_budget_s,
+            client_request_id=capture.client_request_id,
         )
 
     def fail_all(self, problem: str, wall_s: float) -> list[PrefillDone]:
@@ -694,6 +706,7 @@ class CaptureState:
             "attrs": capture.attrs,
             "cached_prefix_blocks": capture.cached_blocks,
             "deadline_s": deadline_of(wall_s, capture.decision_budget_s),
+            "client_request_id": capture.client_request_id,
         }
         cached = capture.block_hashes[: capture.cached_blocks]
         return PendingDone(fields, capture.computed_total + tail, partial, cached)

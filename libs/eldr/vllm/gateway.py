@@ -289,11 +289,19 @@ class StreamTally:
 
 
 class FinishTracker:
-    """One request's finish events: any number of "moved", then exactly one final."""
+    """One request's finish events: any number of "moved", then exactly one final. Keyed
+    by the gateway's request id; the client's own id rides along as a label."""
 
-    def __init__(self, request_id: str, gateway_id: str, wall_clock: Callable[[], float]):
+    def __init__(
+        self,
+        request_id: str,
+        gateway_id: str,
+        wall_clock: Callable[[], float],
+        client_request_id: str | None = None,
+    ):
         self.request_id = request_id
         self.gateway_id = gateway_id
+        self.client_request_id = client_request_id
         self._wall = wall_clock
         self.final: RequestFinished | None = None
 
@@ -305,6 +313,7 @@ class FinishTracker:
             reason="moved",
             worker_id=worker_id,
             moved_to=to_worker,
+            client_request_id=self.client_request_id,
         )
 
     def finished(
@@ -326,6 +335,7 @@ class FinishTracker:
             worker_id=worker_id,
             output_tokens=output_tokens,
             decode_s=None if decode_s is None else max(0.0, decode_s),
+            client_request_id=self.client_request_id,
         )
         return self.final
 

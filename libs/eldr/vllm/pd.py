@@ -5,11 +5,14 @@ and `kv_transfer_params = {"do_remote_decode": true, ...}`; the prefill's respon
 `kv_transfer_params` naming where its KV cache waits; the request then goes, unchanged
 apart from those parameters, to a decode instance, which pulls the KV and generates.
 
-Between the two, ELDR decides the decode instance. The request id the gateway chose (the
-client's `X-Request-Id`, or a fresh one) travels with every hop: as the `X-Request-Id`
-header (vLLM builds its own request ids from it) and in `vllm_xargs` (`eldr_request_id`,
-read by the capture plugin in the prefill engine, which publishes the `PrefillDone` under
-that id, with `eldr_reply_to` = the gateway's decision inbox).
+Between the two, ELDR decides the decode instance. Every client request gets its own
+request id from the gateway (`new_request_id`), whatever the client sent: it travels with
+every hop, as the `X-Request-Id` header (vLLM builds its own request ids from it) and in
+`vllm_xargs` (`eldr_request_id`, read by the capture plugin in the prefill engine, which
+publishes the `PrefillDone` under that id, with `eldr_reply_to` = the gateway's decision
+inbox). The client's own `X-Request-Id` is a label only (`eldr_client_request_id`, carried
+into the records as `client_request_id`, and echoed in the response): two requests with the
+same client id never share a decision, a commit, a waiter or a finish event.
 
 A client's body is parsed once (`parse_body`) with its prompt left as it came: the
 "prompt" and "messages" values stay raw JSON (`msgspec.Raw`), forwarded verbatim to vLLM,
@@ -39,7 +42,13 @@ XARG_MAX_TOKENS = "eldr_max_tokens"
 XARG_DECISION_BUDGET = "eldr_decision_budget_s"
 """How long the gateway waits for the decision after the prefill answered: the capture
 plugin turns it into the PrefillDone's deadline."""
+XARG_CLIENT_REQUEST_ID = "eldr_client_request_id"
+"""The client's own `X-Request-Id`, a label the capture plugin copies into the PrefillDone."""
+XARG_PREFIX = "eldr_"
+"""`vllm_xargs` keys of this prefix are the gateway's: a client's own are dropped."""
 REQUEST_ID_HEADER = "X-Request-Id"
+ELDR_REQUEST_ID_HEADER = "X-Eldr-Request-Id"
+"""Response header with the gateway's own id of the request (what its records are under)."""
 DECODE_WORKER_HEADER = "X-Eldr-Decode-Worker"
 """Response header naming the decode instance that answered."""
 MAX_REQUEST_ID_LEN = 200
@@ -79,17 +88,29 @@ def openai_error(
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def request_id_from(header: str | None) -> str:
-    """The client's request id when it is usable, else a fresh one."""
-    if header is not None:
-        if not _REQUEST_ID.match(header):
-            raise BadRequestError(
-                f"{REQUEST_ID_HEADER} must be 1-{MAX_REQUEST_ID_LEN} characters of "
-                "[A-Za-z0-9._:@/+=-]",
-                param=REQUEST_ID_HEADER,
-            )
-        return header
+def new_request_id() -> str:
+    """A fresh id for one client request: the key of all its records (PrefillDone
+    de-duplication, the decision commit, the gateway's waiter, finish events, profiles)."""
     return f"eldr-{uuid.uuid4().hex}"
+
+
+def client_request_id_from(header: str | None) -> str | None:
+    """The client's `X-Request-Id`, validated (a label on the records; never a key), or
+    None when it sent none."""
+    if header is None:
+        return None
+    if not _REQUEST_ID.match(header):
+        raise BadRequestError(
+            f"{REQUEST_ID_HEADER} must be 1-{MAX_REQUEST_ID_LEN} characters of [A-Za-z0-9._:@/+=-]",
+            param=REQUEST_ID_HEADER,
+        )
+    return header
+
+
+def _own_xargs(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The client's `vllm_xargs` without the keys the gateway sets (`XARG_PREFIX`)."""
+    xargs = body.get("vllm_xargs") or {}
+    return {k: v for k, v in xargs.items() if not str(k).startswith(XARG_PREFIX)}
 
 
 RAW_FIELDS = ("prompt", "messages")
@@ -201,6 +222,7 @@ def prefill_body(
     request_id: str,
     reply_to: str,
     decision_budget_s: float | None = None,
+    client_request_id: str | None = None,
 ) -> dict[str, Any]:
     """The request for the prefill instance: one token, no streaming, KV kept for a remote
     decode, the ids the capture plugin publishes the PrefillDone under and how long the
@@ -213,7 +235,7 @@ def prefill_body(
     out["stream"] = False
     out.pop("stream_options", None)
     out["kv_transfer_params"] = dict(PREFILL_KV_PARAMS)
-    xargs = dict(out.get("vllm_xargs") or {})
+    xargs = _own_xargs(body)
     xargs[XARG_REQUEST_ID] = request_id
     xargs[XARG_REPLY_TO] = reply_to
     budget = max_tokens_of(body)
@@ -221,8 +243,8 @@ def prefill_body(
         xargs[XARG_MAX_TOKENS] = budget
     if decision_budget_s is not None:
         xargs[XARG_DECISION_BUDGET] = float(decision_budget_s)
-    else:
-        xargs.pop(XARG_DECISION_BUDGET, None)  # only the gateway sets it
+    if client_request_id is not None:
+        xargs[XARG_CLIENT_REQUEST_ID] = client_request_id
     out["vllm_xargs"] = xargs
     return out
 
@@ -237,9 +259,10 @@ def decode_body(
     out = dict(body)
     if kv_transfer_params is not None:
         out["kv_transfer_params"] = dict(kv_transfer_params)
-    if request_id is not None:
-        xargs = dict(out.get("vllm_xargs") or {})
-        xargs[XARG_REQUEST_ID] = request_id
+    if request_id is not None or "vllm_xargs" in out:
+        xargs = _own_xargs(body)
+        if request_id is not None:
+            xargs[XARG_REQUEST_ID] = request_id
         out["vllm_xargs"] = xargs
     return out
 
@@ -265,14 +288,29 @@ def decode_candidates(decision: Decision | None, decoders: Sequence[str]) -> lis
     return order
 
 
+def id_headers(request_id: str, client_request_id: str | None) -> dict[str, str]:
+    """The ids a response carries: `X-Request-Id` is the client's own when it sent one
+    (else the gateway's), `X-Eldr-Request-Id` the gateway's (what the records are under)."""
+    return {
+        REQUEST_ID_HEADER: client_request_id or request_id,
+        ELDR_REQUEST_ID_HEADER: request_id,
+    }
+
+
 def response_headers(
-    upstream: Iterable[tuple[str, str]], request_id: str, decode_worker: str
+    upstream: Iterable[tuple[str, str]],
+    request_id: str,
+    decode_worker: str,
+    client_request_id: str | None = None,
 ) -> dict[str, str]:
     """Headers for the client's response: the decode instance's, less the hop-by-hop ones,
-    plus the request id and the decode instance that answered."""
-    headers = {k: v for k, v in upstream if k.lower() not in _HOP_HEADERS}
-    headers[REQUEST_ID_HEADER] = request_id
-    headers[DECODE_WORKER_HEADER] = decode_worker
+    plus the request ids (`id_headers`) and the decode instance that answered."""
+    ours = id_headers(request_id, client_request_id)
+    ours[DECODE_WORKER_HEADER] = decode_worker
+    # Case-insensitively: vLLM echoes `x-request-id` (the gateway's id) in its own case.
+    replaced = _HOP_HEADERS | {k.lower() for k in ours}
+    headers = {k: v for k, v in upstream if k.lower() not in replaced}
+    headers.update(ours)
     return headers
 
 

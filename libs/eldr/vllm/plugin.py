@@ -43,9 +43,10 @@ change and in a `CaptureStatus` on `{ns}.capture.{worker}` at every change and e
 instead of the gateway waiting out its timeout. Whatever fails in here is logged and
 counted and never reaches the engine.
 
-The client's request id and the decision inbox come from the request's `vllm_xargs`
-(`eldr_request_id`, `eldr_reply_to`, `eldr_max_tokens`), which the gateway sets; without
-them the id is recovered from vLLM's request id (`cmpl-<X-Request-Id>-<n>-<8 hex>`).
+The gateway's request id, the client's own id (a label), and the decision inbox come from
+the request's `vllm_xargs` (`eldr_request_id`, `eldr_client_request_id`, `eldr_reply_to`,
+`eldr_max_tokens`), which the gateway sets; without them the id is recovered from vLLM's
+request id (`cmpl-<X-Request-Id>-<n>-<8 hex>`).
 """
 
 from __future__ import annotations
@@ -75,6 +76,13 @@ from eldr.vllm.capture import (
 from eldr.vllm.decode_profiles import DecodeProfiles
 from eldr.vllm.layout import LayoutError, RunnerGeneration, step_layout
 from eldr.vllm.moe_layers import moe_layer_ids
+from eldr.vllm.pd import (
+    XARG_CLIENT_REQUEST_ID,
+    XARG_DECISION_BUDGET,
+    XARG_MAX_TOKENS,
+    XARG_REPLY_TO,
+    XARG_REQUEST_ID,
+)
 from eldr.vllm.publisher import BackgroundPublisher
 from eldr.vllm.settings import CaptureSettings
 from eldr.wire import CaptureStatus, DecodeProfile, PrefillDone, SparseCounts
@@ -85,12 +93,6 @@ log = logging.getLogger("vllm.eldr_capture")
 
 TESTED_VLLM_VERSIONS = ("0.32.0",)
 MAX_HOOK_ERRORS = 10
-XARG_REQUEST_ID = "eldr_request_id"
-XARG_REPLY_TO = "eldr_reply_to"
-XARG_MAX_TOKENS = "eldr_max_tokens"
-XARG_DECISION_BUDGET = "eldr_decision_budget_s"
-"""The gateway's decision budget (seconds): the PrefillDone's deadline is its publish time
-plus this (`eldr.vllm.pd.XARG_DECISION_BUDGET`)."""
 _PATCHED = "_eldr_capture_patched"
 _ENGINE_ID = re.compile(r"^(?:chatcmpl-|cmpl-)?(?P<base>.+?)(?:-\d+)?-[0-9a-f]{8}$")
 V1_RUNNERS = (
@@ -107,8 +109,10 @@ WORKERS = (
 )
 
 
-def client_request_id(engine_id: str) -> str:
-    """The id the client sent (X-Request-Id) from vLLM's worker-side request id."""
+def base_request_id(engine_id: str) -> str:
+    """The id vLLM's API server was given (the `X-Request-Id` header of its request: the
+    gateway's request id) from vLLM's worker-side request id; for requests that did not
+    come through the gateway (no `vllm_xargs`)."""
     match = _ENGINE_ID.match(engine_id)
     return match.group("base") if match else engine_id
 
@@ -409,7 +413,9 @@ class CaptureHook:
         if new.prompt_token_ids is None:
             return  # prompt embeddings: no token ids to hash
         xargs: dict[str, Any] = dict(getattr(new.sampling_params, "extra_args", None) or {})
-        request_id = str(xargs.get(XARG_REQUEST_ID) or client_request_id(new.req_id))
+        request_id = str(xargs.get(XARG_REQUEST_ID) or base_request_id(new.req_id))
+        label = xargs.get(XARG_CLIENT_REQUEST_ID)
+        client_id = str(label) if isinstance(label, str) and label else None
         kv_params = xargs.get("kv_transfer_params") or {}
         remote_prefill = isinstance(kv_params, dict) and bool(kv_params.get("do_remote_prefill"))
         n_prompt = len(new.prompt_token_ids)
@@ -427,7 +433,7 @@ class CaptureHook:
         )
         if self.prefill is None or self.states.prefill != "ok":
             unavailable.append(
-                self._unavailable(request_id, n_prompt, reply, budget, decision_budget_s)
+                self._unavailable(request_id, n_prompt, reply, budget, decision_budget_s, client_id)
             )
             return
         self.prefill.add_request(
@@ -439,6 +445,7 @@ class CaptureHook:
             reply_to=reply,
             max_tokens=budget,
             decision_budget_s=decision_budget_s,
+            client_request_id=client_id,
         )
 
     def _unavailable(
@@ -448,6 +455,7 @@ class CaptureHook:
         reply_to: str | None,
         max_tokens: int | None,
         decision_budget_s: float | None = None,
+        client_id: str | None = None,
     ) -> PrefillDone:
         g = self.states.geometry
         return unavailable_prefill_done(
@@ -462,6 +470,7 @@ class CaptureHook:
             problem="capture_failed",
             wall_s=time.time(),
             decision_budget_s=decision_budget_s,
+            client_request_id=client_id,
         )
 
     def end(self, runner: Any, scheduler_output: Any) -> None:
@@ -711,4 +720,4 @@ def register() -> None:
             cls.load_model = _wrap_worker_load_model(cls.load_model, plugin)
 
 
-__all__ = ["CaptureHook", "CaptureRefused", "client_request_id", "register"]
+__all__ = ["CaptureHook", "CaptureRefused", "base_request_id", "register"]

@@ -70,6 +70,10 @@ NO_WORKER = "-"
 CaptureState = Literal["ok", "off", "failed"]
 """What a capture plugin can do for one role: "ok", "off" (not configured for it),
 "failed" (configured but cannot capture; `CaptureStatus.reason` says why)."""
+ClientRequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)]
+"""The id a client gave its request (its `X-Request-Id`): a label only. Every record is
+keyed by the gateway's own `request_id`, one per client request, so that two clients (or
+one client twice) sending the same id never share a decision."""
 ScoredWorker = tuple[Token, FiniteFloat]
 WorkerLoads = tuple[Token, Count, Count]
 """(worker, in-flight requests, KV tokens)."""
@@ -134,7 +138,7 @@ class PrefillDone(Message, frozen=True, kw_only=True, tag="prefill_done"):
 
     Published on `{ns}.prefill.done.{prefill_worker}` (stream PREFILL); consumed by one
     router replica through the durable consumer `router`. v2 added `capture`, v3
-    `deadline_s`, v4 `signature`.
+    `deadline_s`, v4 `signature`, v5 `client_request_id`.
 
     Where a router finds the request's counts (`signature_source`): in the event itself
     (`signature`: the prefill worker held a summary of every block it took from its prefix
@@ -193,7 +197,10 @@ class PrefillDone(Message, frozen=True, kw_only=True, tag="prefill_done"):
     prefix cache (`eldr.vllm.capture`), so a router needs no signature-service lookup;
     `computed` is then None (it is a part of this). None: as before v4 (`computed`, the
     service for the cached blocks). v4."""
-    v: Version = 4
+    client_request_id: ClientRequestId | None = None
+    """The client's own id for the request (its `X-Request-Id`), a label for finding the
+    records of a client request; `request_id` is the gateway's, unique per request. v5."""
+    v: Version = 5
 
     @property
     def signature_source(self) -> SignatureSource:
@@ -347,7 +354,10 @@ class Decision(Message, frozen=True, kw_only=True, tag="decision"):
     profile: RoutingProfile | None = None
     """The routing profile in force: the policy and every parameter, typed
     (`eldr.core.routing.profile`). v3; None in older records (see `params`)."""
-    v: Version = 3
+    client_request_id: ClientRequestId | None = None
+    """The client's own id for the request, copied from the PrefillDone (a label; the
+    record is keyed by `request_id`, the gateway's id). v4."""
+    v: Version = 4
 
     @property
     def assigned(self) -> bool:
@@ -402,7 +412,7 @@ class _DecisionView(Message, frozen=True, kw_only=True, tag="decision"):
     request_id: Ident
     worker_id: Token
     outcome: DecisionOutcome = "assigned"
-    v: Version = 3
+    v: Version = 4
 
     def __post_init__(self) -> None:
         require(
@@ -506,7 +516,7 @@ class DecodeProfile(Message, frozen=True, tag="decode_profile"):
     """Mean time per output token, seconds, if measured."""
 
 
-class RequestFinished(Message, frozen=True, tag="request_finished"):
+class RequestFinished(Message, frozen=True, kw_only=True, tag="request_finished"):
     """A request left a decode worker, as the gateway that proxied it saw it.
 
     Core publish on `{ns}.finished.{gateway_id}`, recorded by stream FINISHED. Every
@@ -532,6 +542,9 @@ class RequestFinished(Message, frozen=True, tag="request_finished"):
     """Tokens the decode returned, when the response said (usage, or streamed chunks)."""
     decode_s: DurationS | None = None
     """From sending the request to the decode worker to the end of its response."""
+    client_request_id: ClientRequestId | None = None
+    """The client's own id for the request (a label; `request_id` is the gateway's). v2."""
+    v: Version = 2
 
     def __post_init__(self) -> None:
         if self.reason == "moved":
