@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from eldr.vllm.load import AdmissionTracker, MetricsError, VllmLoad, parse_metrics
@@ -21,6 +23,7 @@ from eldr.vllm.pd import (
     openai_error,
     parse_instances,
     prefill_body,
+    stream_error_event,
 )
 from eldr.wire import Decision
 from support import messages
@@ -67,6 +70,13 @@ def test_decode_body_carries_the_prefill_kv_handle() -> None:
         ({}, False, "prompt"),
         ({"messages": []}, True, "messages"),
         ({"prompt": "x", "n": 2}, False, "n"),
+        ({"prompt": "x", "n": 0}, False, "n"),
+        ({"prompt": "x", "n": True}, False, "n"),
+        ({"prompt": "x", "use_beam_search": True}, False, "use_beam_search"),
+        ({"prompt": "x", "max_tokens": 0}, False, "max_tokens"),
+        ({"prompt": "x", "max_completion_tokens": -1}, False, "max_completion_tokens"),
+        ({"prompt": "x", "max_tokens": 2.5}, False, "max_tokens"),
+        ({"prompt": "x", "max_tokens": 3, "min_tokens": 4}, False, "min_tokens"),
         ({"prompt": "x", "stream": "yes"}, False, "stream"),
         ({"prompt": "x", "kv_transfer_params": {}}, False, "kv_transfer_params"),
     ],
@@ -101,12 +111,34 @@ def test_the_clients_id_travels_as_a_label_and_its_own_eldr_xargs_are_dropped() 
     assert decode_body(body, None)["vllm_xargs"] == {"mine": 1}
 
 
-def test_error_body_is_openai_shaped() -> None:
+def test_error_bodies_have_vllms_shape() -> None:
     body = openai_error("bad", 400, param="n")
     assert body == {
-        "error": {"message": "bad", "type": "invalid_request_error", "param": "n", "code": None}
+        "error": {"message": "bad", "type": "BadRequestError", "param": "n", "code": 400}
     }
-    assert openai_error("down", 503)["error"]["type"] == "server_error"
+    assert openai_error("down", 503)["error"]["type"] == "ServiceUnavailableError"
+    assert openai_error("gone", 502)["error"] == {
+        "message": "gone",
+        "type": "Bad Gateway",
+        "param": None,
+        "code": 502,
+    }
+
+
+def test_a_stream_that_failed_ends_with_an_error_event_and_done() -> None:
+    event = stream_error_event("broke", 502)
+    first, second, rest = event.split(b"\n\n")
+    assert json.loads(first.removeprefix(b"data: "))["error"]["message"] == "broke"
+    assert (second, rest) == (b"data: [DONE]", b"")
+
+
+def test_the_prefill_leg_drops_what_cannot_apply_to_one_token() -> None:
+    body = {"prompt": "p", "max_tokens": 9, "min_tokens": 4, "min_completion_tokens": 4}
+    out = prefill_body(body, "r", "_INBOX.g")
+    assert "min_tokens" not in out
+    assert "min_completion_tokens" not in out
+    assert out["max_tokens"] == 1
+    assert body["min_tokens"] == 4
 
 
 def test_candidates_follow_decision_then_band_then_scores_then_the_rest() -> None:

@@ -26,10 +26,12 @@ No I/O here: bodies in, bodies out.
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from typing import Any
 
 import msgspec
@@ -75,17 +77,38 @@ class BadRequestError(ValueError):
         self.param = param
 
 
+_VLLM_ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    422: "UnprocessableEntityError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+"""The `type` vLLM's API server gives its own errors; any other status gets its HTTP
+phrase, as vLLM's handler of HTTP exceptions does (vllm/entrypoints/serve/
+exception_handling)."""
+
+
 def openai_error(
-    message: str, status: int, *, param: str | None = None, code: str | None = None
+    message: str, status: int, *, param: str | None = None, error_type: str | None = None
 ) -> dict[str, Any]:
-    """An OpenAI-style error body."""
-    kind = {
-        400: "invalid_request_error",
-        404: "not_found_error",
-        408: "timeout_error",
-        429: "rate_limit_error",
-    }.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    """An error body in vLLM's shape: `{"error": {"message", "type", "param", "code"}}`
+    with `code` the HTTP status (an int) and `type` vLLM's name for it (`error_type`
+    when given: vLLM types the errors of its HTTP layer, an unknown path or method, by
+    the status's phrase)."""
+    try:
+        phrase = HTTPStatus(status).phrase
+    except ValueError:
+        phrase = "Error"
+    kind = error_type or _VLLM_ERROR_TYPES.get(status, phrase)
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def stream_error_event(message: str, status: int = 502) -> bytes:
+    """How vLLM ends a stream that failed after it started: one `data:` event with the
+    error body, then `data: [DONE]` (the HTTP status was 200 already)."""
+    body = json.dumps(openai_error(message, status))
+    return f"data: {body}\n\ndata: [DONE]\n\n".encode()
 
 
 def new_request_id() -> str:
@@ -194,9 +217,7 @@ def check_body(body: Any, *, chat: bool) -> dict[str, Any]:
             raise BadRequestError("'messages' must be a non-empty list", param="messages")
     elif "prompt" not in body:
         raise BadRequestError("'prompt' is required", param="prompt")
-    n = body.get("n", 1)
-    if n != 1:
-        raise BadRequestError("only n = 1 is supported by disaggregated serving", param="n")
+    _check_sampling(body)
     if "stream" in body and not isinstance(body["stream"], bool):
         raise BadRequestError("'stream' must be a boolean", param="stream")
     xargs = body.get("vllm_xargs")
@@ -207,6 +228,71 @@ def check_body(body: Any, *, chat: bool) -> dict[str, Any]:
             "'kv_transfer_params' is set by the gateway", param="kv_transfer_params"
         )
     return body
+
+
+N_UNSUPPORTED = (
+    "disaggregated prefill/decode serving does not support `n > 1` (each of the n "
+    "sequences would pull the one prefilled KV cache on its own, which the KV connectors "
+    "do not support); please set `n` to 1 and send n requests"
+)
+BEAM_SEARCH_UNSUPPORTED = (
+    "disaggregated prefill/decode serving does not support beam search (its beams are "
+    "requests of their own, each needing its own prefill); please set `use_beam_search` "
+    "to False"
+)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_sampling(body: Mapping[str, Any]) -> None:
+    """The fields the prefill leg changes (`prefill_body`) are checked here, with vLLM's
+    own messages, so that a request vLLM would refuse costs no prefill first: the prefill
+    instance never sees the client's `max_tokens`, `min_tokens` or `n`. Every other field
+    reaches the prefill instance unchanged, which refuses it before it computes anything."""
+    n = body.get("n", 1)
+    if n is not None and not _is_int(n):
+        raise BadRequestError("`n` must be an integer", param="n")
+    if n is not None and n < 1:
+        raise BadRequestError(f"n must be at least 1, got {n}.", param="n")
+    if n is not None and n > 1:
+        raise BadRequestError(N_UNSUPPORTED, param="n")
+    if body.get("use_beam_search"):
+        raise BadRequestError(BEAM_SEARCH_UNSUPPORTED, param="use_beam_search")
+    budget: int | None = None
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if value is None:
+            continue
+        if not _is_int(value):
+            raise BadRequestError(f"`{key}` must be an integer", param=key)
+        if value < 1:
+            # vLLM serves `max_tokens = 0` only as an echo of the prompt (no decode at all):
+            # nothing for a decode instance to do.
+            raise BadRequestError(f"max_tokens must be at least 1, got {value}.", param=key)
+        budget = value if budget is None else budget
+    for key in ("min_tokens", "min_completion_tokens"):
+        value = body.get(key)
+        if value is None:
+            continue
+        if not _is_int(value):
+            raise BadRequestError(f"`{key}` must be an integer", param=key)
+        if value < 0:
+            raise BadRequestError(
+                f"min_tokens must be greater than or equal to 0, got {value}.", param=key
+            )
+        if budget is not None and value > budget:
+            raise BadRequestError(
+                f"min_tokens must be less than or equal to max_tokens={budget}, got {value}.",
+                param=key,
+            )
+
+
+PREFILL_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
+"""Client fields that cannot apply to the one-token prefill leg (vLLM's own disaggregated
+proxy drops the same: `min_tokens` > 1 with `max_tokens` = 1 is a 400); the decode leg
+gets them."""
 
 
 def max_tokens_of(body: Mapping[str, Any]) -> int | None:
@@ -233,7 +319,8 @@ def prefill_body(
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     out["stream"] = False
-    out.pop("stream_options", None)
+    for key in PREFILL_DROPPED:
+        out.pop(key, None)
     out["kv_transfer_params"] = dict(PREFILL_KV_PARAMS)
     xargs = _own_xargs(body)
     xargs[XARG_REQUEST_ID] = request_id
