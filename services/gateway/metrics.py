@@ -12,8 +12,9 @@ class GatewayMetrics:
         r = registry
         self.requests = Counter(
             "eldr_gateway_requests_total",
-            "Client requests by endpoint and outcome (ok, client_error, upstream_error, "
-            "unavailable).",
+            "Client requests by endpoint (completions, chat; models, tokenize, detokenize, "
+            "version passed through) and outcome (ok, client_error, upstream_error, "
+            "unavailable, aborted: the client went away).",
             ["endpoint", "outcome"],
             registry=r,
         )

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from eldr.vllm.load import AdmissionTracker, MetricsError, VllmLoad, parse_metrics
+from eldr.vllm.load import (
+    AdmissionTracker,
+    MetricsError,
+    StatsDisabledError,
+    VllmLoad,
+    parse_metrics,
+)
 from eldr.vllm.pd import (
     PREFILL_KV_PARAMS,
     XARG_CLIENT_REQUEST_ID,
@@ -200,6 +207,15 @@ def test_parse_metrics_refuses_a_page_without_vllm_gauges() -> None:
         parse_metrics("# TYPE x gauge\nx 1\n")
 
 
+DISABLED_PAGE = Path(__file__).parents[1] / "data" / "vllm-0.32.0-metrics-disable-log-stats.txt"
+
+
+def test_a_vllm_started_with_disable_log_stats_is_named_as_such() -> None:
+    # The page real vLLM serves with --disable-log-stats (recorded; the file says how).
+    with pytest.raises(StatsDisabledError, match="started with --disable-log-stats"):
+        parse_metrics(DISABLED_PAGE.read_text())
+
+
 def load(seen: int) -> VllmLoad:
     return VllmLoad(seen, 0, 0.0, 0, 0, None)
 
@@ -256,3 +272,16 @@ def test_the_prompt_stays_raw_json_and_is_forwarded_verbatim() -> None:
     assert b"[1, 2,  3]" in encode_body(body)  # the client's bytes, as they came
     chat = parse_body(b'{"messages": [{"role": "user", "content": "hi"}]}', chat=True)
     assert isinstance(chat["messages"], msgspec.Raw)
+
+
+def test_aborted_requests_count_as_arrivals() -> None:
+    # vLLM counts a request its API server aborted in none of running, waiting or
+    # request_success: without the gateway's abort events, the abort hides an arrival.
+    tracker = AdmissionTracker()
+    tracker.admitted(load(2), 0.0)  # two running
+    tracker.assigned("r1", 0.1)
+    tracker.abort()  # one of the two was aborted ...
+    # ... and r1 arrived in the same interval: the page shows 2 again.
+    assert tracker.admitted(load(2), 0.2) == ["r1"]
+    tracker.reset()  # a restarted instance: its counters (and the aborts) start again
+    assert tracker.aborted == 0

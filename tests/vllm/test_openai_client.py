@@ -29,6 +29,7 @@ from vllm_support import (
     service_settings,
 )
 
+from eldr.vllm.load import parse_metrics
 from eldr_services.decodeadapter.service import setup as adapter_setup
 from eldr_services.decodeadapter.settings import DecodeAdapterSettings
 from eldr_services.gateway.service import setup as gateway_setup
@@ -60,6 +61,8 @@ class Front:
     """AsyncOpenAI straight at the first decode instance."""
     url: str
     run: str
+    adapter_urls: dict[str, str]
+    """Decode worker -> its decode adapter's /metrics."""
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
@@ -67,6 +70,7 @@ async def front(engines: Engines) -> AsyncIterator[Front]:
     await purge_prefill_events(engines)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    adapter_ports = {name: free_port() for name in DECODE_IDS}
     services: list[tuple[str, Any, Any]] = [
         ("router", service_settings(engines, RouterSettings, policy="jsq"), router_setup),
         *(
@@ -78,6 +82,8 @@ async def front(engines: Engines) -> AsyncIterator[Front]:
                     adapter_worker_id=name,
                     adapter_url=engines.decoders[name].url,
                     adapter_interval_s=0.2,
+                    metrics_port=adapter_ports[name],
+                    metrics_host="127.0.0.1",
                 ),
                 adapter_setup,
             )
@@ -109,7 +115,8 @@ async def front(engines: Engines) -> AsyncIterator[Front]:
         direct = openai.AsyncOpenAI(
             base_url=engines.decode.url + "/v1", api_key="none", max_retries=0
         )
-        yield Front(gateway, direct, url, uuid.uuid4().hex[:8])
+        adapter_urls = {n: f"http://127.0.0.1:{p}/metrics" for n, p in adapter_ports.items()}
+        yield Front(gateway, direct, url, uuid.uuid4().hex[:8], adapter_urls)
         await gateway.close()
         await direct.close()
 
@@ -237,3 +244,46 @@ async def test_a_client_that_times_out_stops_the_decode(front: Front, engines: E
         await asyncio.sleep(2.0)
         settled = await generated_tokens(engines)
     assert settled - before < 400, (before, settled)
+
+
+async def seen_and_aborted(engines: Engines, front: Front, worker: str) -> tuple[int, float]:
+    """(running + waiting + request_success of the decode instance, the adapter's count of
+    the gateway's aborts on it)."""
+    async with aiohttp.ClientSession() as http:
+        page = await (await http.get(engines.decoders[worker].url + "/metrics")).text()
+        mine = await (await http.get(front.adapter_urls[worker])).text()
+    found = re.search(r"^eldr_adapter_aborted_requests_total (\S+)$", mine, re.M)
+    assert found is not None
+    return parse_metrics(page).seen_total, float(found.group(1))
+
+
+async def test_a_hang_up_vllm_counts_nowhere_is_counted_by_the_adapter(
+    front: Front, engines: Engines
+) -> None:
+    """vLLM leaves a request its API server aborted out of running, waiting and
+    request_success, so the adapter's arrival count fell one short per hang-up; it now
+    adds the gateway's abort events for its worker."""
+    before = {w: await seen_and_aborted(engines, front, w) for w in DECODE_IDS}
+    stream = await front.gateway.completions.create(
+        model=MODEL_NAME,
+        prompt=prompt(front, "hang up"),
+        max_tokens=400,
+        temperature=0,
+        stream=True,
+        extra_body=EXTRA,
+    )
+    async for _ in stream:
+        break  # the first chunk, then hang up
+    await stream.close()
+    deadline = time.monotonic() + 30
+    while True:
+        after = {w: await seen_and_aborted(engines, front, w) for w in DECODE_IDS}
+        aborted = {w for w in DECODE_IDS if after[w][1] > before[w][1]}
+        settled = all(after[w][0] == before[w][0] for w in DECODE_IDS)
+        if (aborted and settled) or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.5)
+    (worker,) = aborted
+    assert after[worker][1] == before[worker][1] + 1
+    # The request came and went, and vLLM's sum is where it was: the abort is in no series.
+    assert after[worker][0] == before[worker][0]
