@@ -332,6 +332,15 @@ class Gateway:
             raise UpstreamError(f"{name}: {exc}", reached=False) from exc
         except (aiohttp.ClientConnectionError, TimeoutError) as exc:
             raise UpstreamError(f"{name}: {exc}") from exc
+        except asyncio.CancelledError:
+            # The client went away while this instance worked on the request (a whole
+            # answer's headers come only at its end): the connection is closed, vLLM
+            # aborts it, and the abort is this worker's (its adapter counts it).
+            self.metrics.client_aborts.inc()
+            await self._publish_finish(
+                finish.finished(name, "abort", decode_s=time.perf_counter() - started)
+            )
+            raise
         reason: FinishReason = "error"
         tokens: int | None = None
         out: web.StreamResponse | None = None
