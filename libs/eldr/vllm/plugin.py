@@ -56,8 +56,10 @@ import contextlib
 import importlib
 import logging
 import re
+import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -65,12 +67,12 @@ from typing import Any
 import numpy as np
 
 from eldr.vllm.capture import (
-    EXPERT_ROW_DTYPE,
     CaptureConfig,
     CaptureState,
     Geometry,
     RequestCapture,
-    invalid_rows_reason,
+    StepPlan,
+    invalid_counts_reason,
     unavailable_prefill_done,
 )
 from eldr.vllm.decode_profiles import DecodeProfiles
@@ -83,6 +85,7 @@ from eldr.vllm.pd import (
     XARG_REPLY_TO,
     XARG_REQUEST_ID,
 )
+from eldr.vllm.prefill_counts import PendingCounts, SegmentCounter
 from eldr.vllm.publisher import BackgroundPublisher
 from eldr.vllm.settings import CaptureSettings
 from eldr.wire import CaptureStatus, DecodeProfile, PrefillDone, SparseCounts
@@ -217,6 +220,39 @@ class CaptureStates:
         )
 
 
+def capture_callback(
+    buffer: Any, moe_index: int, top_k: int, errors: list[str]
+) -> Callable[[Any], None]:
+    """The callback bound to MoE layer `moe_index`'s router: it writes the step's top-k
+    ids `[tokens, >= top_k]` into `buffer[:tokens, moe_index]` (int32 [rows, layers,
+    top_k], on the model's device).
+
+    Shape-safe by construction: the first `top_k` columns (a router that appends fused
+    shared-expert ids after the routed ones gives more), at most the buffer's rows (the
+    step check then finds the rows missing). Traced by torch.compile when the model is
+    compiled, and recorded into CUDA graphs: a tensor copy into a buffer allocated before,
+    no Python branch in the graph (`is_compiling()` is True while tracing, and a compiled
+    graph freezes the branch it took). Run eagerly (vLLM's custom MoE op, --enforce-eager)
+    it catches any exception, never raising into the forward pass: the first goes into
+    `errors`, for the step's end to report."""
+    rows = int(buffer.shape[0])
+    compiling = importlib.import_module("torch").compiler.is_compiling
+
+    def capture(topk_ids: Any) -> None:
+        if compiling():
+            ids = topk_ids[:rows, :top_k]
+            buffer[: ids.shape[0], moe_index] = ids
+            return
+        try:
+            ids = topk_ids[:rows, :top_k]
+            buffer[: ids.shape[0], moe_index] = ids
+        except Exception as exc:
+            if not errors:
+                errors.append(f"MoE layer {moe_index}: {type(exc).__name__}: {exc}")
+
+    return capture
+
+
 def _moe_modules(model: Any) -> list[tuple[int, Any]]:
     """(layer id, MoE runner module) of every MoE layer, in layer order."""
     layer_mod = importlib.import_module("vllm.model_executor.layers.fused_moe.layer")
@@ -279,6 +315,13 @@ class CaptureHook:
         self._capture_rows = False
         """Whether the current step's rows are read after it ran."""
         self.prefill: CaptureState | None = None
+        self.counter: SegmentCounter | None = None
+        """Counts each step's prompt rows per (request, block) on the device."""
+        self._lock = threading.Lock()
+        """Held around the prefill capture state: the engine's thread and the drainer's."""
+        self._inflight: deque[tuple[StepPlan, PendingCounts, float, float]] = deque()
+        """Steps whose counts are on their way to the host, in step order."""
+        self._drainer = _Drainer(self)
         self.decode: DecodeProfiles | None = None
         self.geometry: Geometry | None = None
         self.in_step = False
@@ -311,6 +354,17 @@ class CaptureHook:
                     hash_key=settings.block_hash_key_bytes(),
                     local_summary_bytes=settings.vllm_local_summary_bytes,
                 )
+            )
+            self.prefill.keep_rows = self.dump_dir is not None
+            buffer: Any = self.buffer  # bound by _bind_routers
+            rows = int(buffer.shape[0])
+            seqs = int(runner.scheduler_config.max_num_seqs)
+            self.counter = SegmentCounter(
+                geometry,
+                max_rows=rows,
+                max_segments=rows // self.block_size + seqs + 1,
+                block_size=self.block_size,
+                device=runner.device,
             )
         if states.decode == "ok":
             self._start_decode_profiles(runner, geometry)
@@ -402,30 +456,7 @@ class CaptureHook:
         return geometry
 
     def _capture_fn(self, moe_index: int, top_k: int) -> Callable[[Any], None]:
-        buffer = self.buffer
-        rows = int(buffer.shape[0])
-        compiling = importlib.import_module("torch").compiler.is_compiling
-        errors = self.callback_errors
-
-        def capture(topk_ids: Any) -> None:
-            # Shape-safe by construction: the first `top_k` columns (a router that appends
-            # fused shared-expert ids after the routed ones gives more), at most the
-            # buffer's rows (the step check then finds the rows missing). Traced by
-            # torch.compile when the model is compiled: a tensor copy into a buffer
-            # allocated before compilation, no Python branch in the graph (is_compiling()
-            # is True while tracing, and a compiled graph freezes the branch it took).
-            if compiling():
-                ids = topk_ids[:rows, :top_k]
-                buffer[: ids.shape[0], moe_index] = ids
-                return
-            try:  # eagerly (vLLM's custom MoE op, --enforce-eager): never into the forward
-                ids = topk_ids[:rows, :top_k]
-                buffer[: ids.shape[0], moe_index] = ids
-            except Exception as exc:
-                if not errors:
-                    errors.append(f"MoE layer {moe_index}: {type(exc).__name__}: {exc}")
-
-        return capture
+        return capture_callback(self.buffer, moe_index, top_k, self.callback_errors)
 
     def _start_decode_profiles(self, runner: Any, geometry: Geometry) -> None:
         slots = self.settings.vllm_max_decode_requests or 2 * int(
@@ -450,21 +481,23 @@ class CaptureHook:
     # --- per step --------------------------------------------------------------------
 
     def begin(self, scheduler_output: Any) -> None:
-        if self.prefill is not None and self.states.prefill != "ok":
-            # Turned off from another thread (the publisher's): its requests route now.
-            self.publisher.submit_messages(self.prefill.fail_all("capture_failed", time.time()))
-            self.prefill = None
-        if self.decode is not None and self.states.decode != "ok":
-            self.decode = None
-        for engine_id in scheduler_output.finished_req_ids:
-            if self.prefill is not None:
-                self.prefill.drop(engine_id)
-            if self.decode is not None:
-                self.decode.finish(engine_id)
-        now = time.monotonic()
-        unavailable: list[PrefillDone] = []
-        for new in scheduler_output.scheduled_new_reqs:
-            self._add(new, now, unavailable)
+        self._fold_ready(wait=False)
+        with self._lock:
+            if self.prefill is not None and self.states.prefill != "ok":
+                # Turned off from another thread (the publisher's): its requests route now.
+                self.publisher.submit_messages(self.prefill.fail_all("capture_failed", time.time()))
+                self.prefill = None
+            if self.decode is not None and self.states.decode != "ok":
+                self.decode = None
+            for engine_id in scheduler_output.finished_req_ids:
+                if self.prefill is not None:
+                    self.prefill.drop(engine_id)
+                if self.decode is not None:
+                    self.decode.finish(engine_id)
+            now = time.monotonic()
+            unavailable: list[PrefillDone] = []
+            for new in scheduler_output.scheduled_new_reqs:
+                self._add(new, now, unavailable)
         if unavailable:
             self.publisher.submit_messages(unavailable)
         self._capture_rows = self.buffer is not None and bool(
@@ -558,40 +591,66 @@ class CaptureHook:
         now = time.monotonic()
         if self.decode is not None:
             self.decode.fold(layout, self.buffer, now)
-        prefill = self.prefill
-        if prefill is None or not any(e in prefill.requests for e in layout.engine_ids):
+        prefill, counter = self.prefill, self.counter
+        if prefill is None or counter is None:
             return
-        positions = layout.positions()
-        expert_ids = self.buffer[:total].cpu().numpy()
-        offsets = layout.offsets()
-        assert self.geometry is not None
-        bad = invalid_rows_reason(
-            expert_ids,
-            [
-                (int(offsets[i]), int(offsets[i + 1]))
-                for i, e in enumerate(layout.engine_ids)
-                if e in prefill.requests
-            ],
-            self.geometry,
-        )
-        if bad is not None:
-            self.states.steps_rejected += 1
-            self.states.fail("prefill", bad)
-            self.publisher.submit_messages(prefill.fail_all("capture_failed", time.time()))
-            self.prefill = None
-            return
-        result = prefill.on_step(
-            list(layout.engine_ids),
-            [int(n) for n in layout.num_tokens],
-            positions,
-            expert_ids.astype(EXPERT_ROW_DTYPE),
-            now,
-            time.time(),
-        )
-        self.publisher.submit(result)
-        if self.dump_dir is not None:
-            for capture in result.completed:
-                _dump(self.dump_dir, capture)
+        with self._lock:
+            if not any(e in prefill.requests for e in layout.engine_ids):
+                return
+            plan = prefill.plan(
+                layout.engine_ids, [int(n) for n in layout.num_tokens], layout.computed.tolist()
+            )
+            if not plan:
+                return
+            if self.dump_dir is not None:  # debugging: every row, a blocking copy
+                prefill.keep(plan, self.buffer[:total].cpu().numpy())
+            # Counted on the device, copied back without waiting: folded when it arrives.
+            self._inflight.append((plan, counter.count(self.buffer, plan), now, time.time()))
+        self._fold_ready(wait=False)
+        if self._inflight:
+            self._drainer.kick()
+
+    def _fold_ready(self, *, wait: bool) -> None:
+        """Fold the steps whose counts arrived, in step order (`wait`: the oldest even if
+        its copy is still running). On the engine's thread after each step, and on the
+        drainer's while the engine is idle."""
+        while True:
+            with self._lock:
+                if not self._inflight:
+                    return
+                plan, pending, now_s, wall_s = self._inflight[0]
+                if not (wait or pending.ready()):
+                    return
+                self._inflight.popleft()
+                counts = pending.result()
+                prefill = self.prefill
+                if prefill is None:
+                    continue
+                assert self.geometry is not None
+                bad = invalid_counts_reason(counts, self.geometry)
+                if bad is not None:
+                    self._reject(prefill, plan, bad)
+                    continue
+                result = prefill.fold(plan, counts, now_s, wall_s)
+            self.publisher.submit(result)
+            if self.dump_dir is not None:
+                for capture in result.completed:
+                    _dump(self.dump_dir, capture)
+            wait = False
+
+    def _reject(self, prefill: CaptureState, plan: StepPlan, reason: str) -> None:
+        """A step whose counts cannot be trusted: prefill capture fails for good; every
+        request it was following gets a load-only PrefillDone now (lock held)."""
+        self.states.steps_rejected += 1
+        self.states.fail("prefill", reason)
+        wall = time.time()
+        events = [prefill.unavailable(c, "capture_failed", wall) for c in plan.done]
+        events += prefill.fail_all("capture_failed", wall)
+        for _, later, _, _ in self._inflight:
+            later.discard()
+        self._inflight.clear()
+        self.prefill = None
+        self.publisher.submit_messages(events)
 
     def _publish_profiles(self) -> None:
         assert self.decode is not None
@@ -630,12 +689,62 @@ class CaptureHook:
         log.error("eldr capture: %s failed", where, exc_info=exc)
         self.enabled = False
         self._capture_rows = False
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception), self._lock:
+            for _, pending, _, _ in self._inflight:
+                pending.discard()
+            events = (
+                [
+                    self.prefill.unavailable(c, "capture_failed", time.time())
+                    for plan, _, _, _ in self._inflight
+                    for c in plan.done
+                ]
+                if self.prefill is not None
+                else []
+            )
+            self._inflight.clear()
             if self.prefill is not None:
-                self.publisher.submit_messages(self.prefill.fail_all("capture_failed", time.time()))
+                events += self.prefill.fail_all("capture_failed", time.time())
+            self.publisher.submit_messages(events)
         self.prefill = None
         self.decode = None
         self.states.fail("both", f"{where} raised {type(exc).__name__}: {exc}")
+
+
+class _Drainer:
+    """A daemon thread that folds a step's counts as soon as their copy is done, so that a
+    prefill completed in the engine's last step before it goes idle still publishes its
+    PrefillDone at once (the engine's thread folds what arrived before each step too)."""
+
+    def __init__(self, hook: CaptureHook) -> None:
+        self._hook = hook
+        self._kicked = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def kick(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name="eldr-capture-drain", daemon=True
+            )
+            self._thread.start()
+        self._kicked.set()
+
+    def _run(self) -> None:
+        hook = self._hook
+        while True:
+            self._kicked.wait()
+            self._kicked.clear()
+            try:
+                while True:
+                    with hook._lock:
+                        if not hook._inflight:
+                            break
+                        pending = hook._inflight[0][1]
+                    pending.wait()  # without the lock: the engine's thread goes on
+                    hook._fold_ready(wait=False)
+            except Exception as exc:  # never kills the thread, never reaches the engine
+                log.error("eldr capture: folding counts failed", exc_info=exc)
+                hook.states.errors += 1
+                hook.states.fail("prefill", f"folding counts raised {type(exc).__name__}: {exc}")
 
 
 def _dump(directory: Path, capture: RequestCapture) -> None:
@@ -645,7 +754,7 @@ def _dump(directory: Path, capture: RequestCapture) -> None:
         directory / f"{name}.npz",
         token_ids=capture.token_ids,
         first_row=np.int64(capture.first_row),
-        expert_ids=capture.rows,
+        expert_ids=capture.dump_rows(),
     )
 
 
@@ -822,4 +931,4 @@ def _register(plugin: _Plugin) -> None:
             cls.load_model = _wrap_worker_load_model(cls.load_model, plugin)
 
 
-__all__ = ["CaptureHook", "CaptureRefused", "base_request_id", "register"]
+__all__ = ["CaptureHook", "CaptureRefused", "base_request_id", "capture_callback", "register"]
