@@ -57,10 +57,10 @@ def inject(case: str) -> None:
         plugin._bind = wrapped_bind
     elif case == "step_end":
 
-        def broken_on_step(*_: Any, **__: Any) -> Any:
-            raise RuntimeError("injected: on_step failed")
+        def broken_fold(*_: Any, **__: Any) -> Any:
+            raise RuntimeError("injected: fold failed")
 
-        capture.CaptureState.on_step = broken_on_step  # type: ignore[method-assign]
+        capture.CaptureState.fold = broken_fold  # type: ignore[method-assign]
     elif case == "publisher":
 
         def broken_batches(_: Any) -> Any:

@@ -36,7 +36,7 @@ CASES = {
     # case: (prefill capture state, what the reason says)
     "shared_experts": ("ok", None),
     "callback": ("failed", "a capture callback failed: MoE layer 0: IndexError"),
-    "step_end": ("failed", "step end raised RuntimeError: injected: on_step failed"),
+    "step_end": ("failed", "step end raised RuntimeError: injected: fold failed"),
     "publisher": ("failed", "the publisher raised RuntimeError: injected: building the batches"),
     "register": ("failed", "register() raised RuntimeError: injected: register failed"),
     "version": ("off", "vLLM 0.34.0 is outside the versions the plugin supports"),

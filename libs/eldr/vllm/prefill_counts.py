@@ -8,8 +8,8 @@ device and without waiting for it:
 
 1. copies the plan's row and segment indices there (pinned memory, non-blocking);
 2. gathers those rows of the capture buffer, maps every id outside [0, E) (a layer that
-   did not write leaves -1) to column E, and adds one per (segment, layer, id) into a
-   fresh int32 table [segments, L, E + 1] (one `index_put_` with accumulate);
+   did not write leaves -1) to column E, and counts (segment, layer, id) with one
+   `bincount` into a table [segments, L, E + 1];
 3. narrows the table (uint8 while a segment's counts fit: block size x top-k <= 255) and
    copies it to pinned host memory with `non_blocking=True`, recording a CUDA event.
 
@@ -18,7 +18,7 @@ once the event says the copy is done (a step later, or by the plugin's drainer t
 the engine goes idle). Per block of 16 tokens at Qwen3-30B-A3B's 48 x 128 experts the copy
 is 48 x 129 bytes = 6.2 KB, against 16 x 48 x 8 x 4 = 24.6 KB of int32 expert ids that the
 blocking copy used to move (docs/VLLM.md has the arithmetic for a whole step). On the CPU
-the same tensor ops run and the result is there at once.
+the host is the device: numpy's bincount over the buffer's own memory, at once.
 
 torch is imported when a `SegmentCounter` is made (it runs inside vLLM's worker).
 """
@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from eldr.vllm.capture import Geometry, StepPlan
+from eldr.vllm.capture import Geometry, StepPlan, segment_counts
 
 
 @dataclass
@@ -113,14 +113,13 @@ class SegmentCounter:
         self.cuda = self.device.type == "cuda"
         self.max_rows = max_rows
         self.max_segments = max_segments
-        L, E, k = geometry.num_moe_layers, geometry.num_experts, geometry.top_k
-        self._width = E + 1
+        L, k = geometry.num_moe_layers, geometry.top_k
+        self._width = geometry.num_experts + 1
         per_cell = block_size * k
         self.narrow = (
             torch.uint8 if per_cell <= 255 else torch.int16 if per_cell <= 32767 else torch.int32
         )
         self._layer = torch.arange(L, dtype=torch.int64, device=self.device).view(1, L, 1)
-        self._ones = torch.ones(max_rows * L * k, dtype=torch.int32, device=self.device)
         self._slots: list[_Slot] = []
         self._next = 0
         if self.cuda:
@@ -156,8 +155,11 @@ class SegmentCounter:
         shape = (S, g.num_moe_layers, self._width)
         if m == 0:
             return PendingCounts(S, shape, host=np.zeros(shape, dtype=np.uint32))
+        if not self.cuda:
+            # The CPU is the host: numpy's bincount over the buffer's memory, no copy.
+            return PendingCounts(S, shape, host=segment_counts(plan, buffer.numpy(), g))
         slot = self._take_slot() if self.cuda and self.max_segments >= S else None
-        if self.cuda and slot is not None:
+        if slot is not None:
             host_idx = slot.index_host
             view = host_idx.numpy()
             view[0, :m] = plan.row_idx
@@ -171,13 +173,8 @@ class SegmentCounter:
         ids = buffer[rows].to(torch.int64)  # [m, L, k]
         ids = ids.masked_fill((ids < 0) | (ids >= g.num_experts), g.num_experts)
         flat = (segs.view(m, 1, 1) * g.num_moe_layers + self._layer) * self._width + ids
-        table = torch.zeros(
-            S * g.num_moe_layers * self._width, dtype=torch.int32, device=self.device
-        )
-        table.index_put_((flat.reshape(-1),), self._ones[: flat.numel()], accumulate=True)
-        narrow = table.to(self.narrow)
-        if not self.cuda:
-            return PendingCounts(S, shape, host=narrow.numpy())
+        cells = S * g.num_moe_layers * self._width
+        narrow = torch.bincount(flat.reshape(-1), minlength=cells).to(self.narrow)
         if slot is None:
             self.fallbacks += 1
             return PendingCounts(S, shape, host=narrow.cpu().numpy())
