@@ -91,6 +91,13 @@ class GatewayMetrics:
             ["role"],
             registry=r,
         )
+        self.connector_refused = Gauge(
+            "eldr_gateway_connector_refused",
+            "1 while the instance is out of rotation because its KV connector (from its "
+            "capture plugin's status) is not one the gateway can drive.",
+            ["role", "instance"],
+            registry=r,
+        )
         self.reprefills = Counter(
             "eldr_gateway_reprefills_total",
             "Prefills run again for a decode retry (the failed decode instance may have "

@@ -64,6 +64,7 @@ from eldr.vllm.pd import (
     BodyLimits,
     LeastOutstanding,
     client_request_id_from,
+    connector_problem,
     decode_body,
     decode_order,
     encode_body,
@@ -145,6 +146,8 @@ class Gateway:
             max_prompt_tokens=s.gateway_max_prompt_tokens,
         )
         self._probes: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self.refused: dict[tuple[str, str], str] = {}
+        """Instances whose KV connector the gateway cannot drive (from their status)."""
         key = s.gateway_upstream_api_key
         self._upstream_auth = None if key is None else f"Bearer {key.get_secret_value()}"
 
@@ -661,6 +664,7 @@ class Gateway:
 
     async def on_capture_status(self, status: CaptureStatus, _: Delivery) -> None:
         # Its worker id is the subject's token: the bus refuses any other (IDENTITY).
+        self._check_connector(status)
         taken = self.capture.update(status, time.monotonic())
         self.metrics.capture_status.labels("ok" if taken else "other_instance").inc()
         if taken:
@@ -697,6 +701,35 @@ class Gateway:
                 )
         except BusError as exc:
             log.warning("could not publish the prefill of %s: %s", request_id, exc)
+
+    def _check_connector(self, status: CaptureStatus) -> None:
+        """Refuse (out of rotation, said once, `eldr_gateway_connector_refused`) an
+        instance whose KV connector the gateway cannot drive; take it back once its status
+        says it runs one it can. Statuses before v2 do not say (nothing is refused)."""
+        name = status.worker_id
+        roles = [
+            r
+            for r, known in (("prefill", self.prefills), ("decode", self.decoders))
+            if name in known
+        ]
+        if not roles or status.v < 2:
+            return
+        problem = connector_problem(status.kv_connector)
+        for role in roles:
+            key = (role, name)
+            before = self.refused.get(key)
+            if problem == before:
+                continue
+            self.metrics.connector_refused.labels(role, name).set(1 if problem else 0)
+            if problem is None:
+                del self.refused[key]
+                log.info("%s instance %s runs %s: in rotation", role, name, status.kv_connector)
+                self._probe_soon(role, name)
+                continue
+            self.refused[key] = problem
+            log.error("%s instance %s refused: %s", role, name, problem)
+            if self.health.mark(role, name, False):
+                self._say_health(role, name, False, problem)
 
     # --- other endpoints ------------------------------------------------------------------
 
@@ -773,6 +806,8 @@ class Gateway:
                 why = f"/health answered HTTP {resp.status}"
         except (aiohttp.ClientError, TimeoutError) as exc:
             ok, why = False, f"/health: {exc or type(exc).__name__}"
+        if (role, name) in self.refused:  # a connector it cannot drive: stays out
+            ok, why = False, self.refused[(role, name)]
         if self.health.mark(role, name, ok, probe=True):
             self._say_health(role, name, ok, why)
         self.metrics.upstream_healthy.labels(role, name).set(1 if ok else 0)

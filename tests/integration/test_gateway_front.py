@@ -316,3 +316,40 @@ async def test_a_retry_after_a_decode_that_took_the_request_runs_the_prefill_aga
     rid = rid_of(resp)
     assert [seen_rid for _, _, seen_rid in stack.prefill.seen] == [rid, rid]
     assert await metric(stack, "eldr_gateway_reprefills_total 1.0")
+
+
+# --- KV connectors the gateway cannot drive ---------------------------------------------
+
+
+async def test_an_instance_whose_connector_the_gateway_cannot_drive_is_refused(
+    stack: Stack,
+) -> None:
+    mooncake, other = stack.decoders
+    await mooncake.say_capture("off", kv_connector="MooncakeConnector")
+    await asyncio.sleep(0.3)
+    async with aiohttp.ClientSession() as http:
+        answers = [
+            await http.post(stack.url + "/v1/completions", json={"prompt": "p"}) for _ in range(4)
+        ]
+    assert [a.headers["X-Eldr-Decode-Worker"] for a in answers] == [other.name] * 4
+    assert mooncake.seen == []
+    refused = 'eldr_gateway_connector_refused{instance="decode-0",role="decode"}'
+    assert await metric(stack, f"{refused} 1.0")
+    # Restarted with NIXL: back in rotation (its next probe passes).
+    await mooncake.say_capture("off", kv_connector="NixlConnector")
+    await asyncio.sleep(0.5)
+    assert await metric(stack, f"{refused} 0.0")
+    assert await metric(
+        stack, 'eldr_gateway_upstream_healthy{instance="decode-0",role="decode"} 1.0'
+    )
+
+
+async def test_a_prefill_instance_without_a_connector_is_refused(stack: Stack) -> None:
+    await stack.prefill.say_capture("ok", kv_connector=None)
+    await asyncio.sleep(0.3)
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(stack.url + "/v1/completions", json={"prompt": "p"})
+        error = (await resp.json())["error"]
+    assert resp.status == 503
+    assert "no prefill instance is healthy" in error["message"]
+    assert stack.prefill.seen == []

@@ -173,8 +173,10 @@ class StandInVllm:
             }
         )
 
-    async def say_capture(self, state: str, reason: str | None = None) -> None:
-        """Publish the CaptureStatus the plugin in this (prefill) engine would."""
+    async def say_capture(
+        self, state: str, reason: str | None = None, kv_connector: str | None = "NixlConnector"
+    ) -> None:
+        """Publish the CaptureStatus the plugin in this engine would."""
         assert self.bus is not None
         await self.bus.publish(
             self.bus.subjects.capture(self.name),
@@ -189,6 +191,7 @@ class StandInVllm:
                 reason=reason,
                 num_moe_layers=2,
                 num_experts=4,
+                kv_connector=kv_connector,
             ),
         )
 
@@ -255,8 +258,8 @@ async def gateway_stack(
     prefill = StandInVllm("prefill-0", bus)
     failures = [0]
     decoders = [
-        StandInVllm("decode-0", failures=failures),
-        StandInVllm("decode-1", failures=failures),
+        StandInVllm("decode-0", bus, failures=failures),
+        StandInVllm("decode-1", bus, failures=failures),
     ]
     for server in (prefill, *decoders):
         await server.start()

@@ -24,6 +24,7 @@ from eldr.vllm.pd import (
     LeastOutstanding,
     check_body,
     client_request_id_from,
+    connector_problem,
     decode_body,
     decode_candidates,
     new_request_id,
@@ -285,3 +286,14 @@ def test_aborted_requests_count_as_arrivals() -> None:
     assert tracker.admitted(load(2), 0.2) == ["r1"]
     tracker.reset()  # a restarted instance: its counters (and the aborts) start again
     assert tracker.aborted == 0
+
+
+def test_connectors_the_gateway_drives_and_why_not_the_others() -> None:
+    assert connector_problem("NixlConnector") is None
+    assert connector_problem("ExampleConnector") is None
+    mooncake = connector_problem("MooncakeConnector")
+    assert mooncake is not None
+    assert "transfer id" in mooncake
+    assert "NixlConnector (pull)" in mooncake
+    assert "no KV connector" in (connector_problem(None) or "")
+    assert "cannot drive" in (connector_problem("SomeNewConnector") or "")

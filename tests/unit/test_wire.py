@@ -251,6 +251,7 @@ def canonical_messages() -> dict[type[Message], Message]:
             vllm_version="0.32.0",
             runner="CPUModelRunner",
             steps_rejected=1,
+            kv_connector="NixlConnector",  # v2
         ),
         DecodeJobAck: DecodeJobAck(request_id="req-1", accepted=False, reason="draining"),
         SimStatsRequest: SimStatsRequest(reset=True),
@@ -456,6 +457,8 @@ def test_records_before_the_client_label_decode_without_one() -> None:
     ):
         old = decode((GOLDEN_DIR / f"{kind}.msgpack").read_bytes(), message_type)
         assert old.client_request_id is None, kind  # type: ignore[attr-defined]
+    status = decode((GOLDEN_DIR / "capture_status.v1.msgpack").read_bytes(), CaptureStatus)
+    assert status.kv_connector is None
 
 
 def test_finish_events_name_both_workers_only_for_a_move() -> None:

@@ -69,6 +69,36 @@ PREFILL_KV_PARAMS: Mapping[str, Any] = {
 """What a prefill request carries: produce KV for a remote decode (vLLM's PD protocol)."""
 
 
+DRIVEN_CONNECTORS: Mapping[str, str] = {
+    "NixlConnector": "pull: the prefill's kv_transfer_params name its blocks, the decode "
+    "instance pulls them (the supported hand-off)",
+    "ExampleConnector": "a shared directory (vLLM's example connector: tests, one host)",
+}
+"""KV connectors whose hand-off is the gateway's: decide after the prefill, then send the
+prefill's `kv_transfer_params` with the request to the decode instance it chose."""
+UNDRIVEN_CONNECTORS: Mapping[str, str] = {
+    "MooncakeConnector": "it needs a transfer id the proxy invents for both legs; without "
+    "it the prefill frees its KV and the decode recomputes the whole prompt",
+    "LMCacheConnectorV1": "its disaggregated mode pushes the KV to a decode instance named "
+    "before the prefill, and ELDR chooses the decode instance after it",
+    "MoRIIOConnector": "it names the decode instance before the prefill",
+    "P2pNcclConnector": "it is gone from vLLM's connector registry",
+}
+
+
+def connector_problem(connector: str | None) -> str | None:
+    """Why the gateway cannot drive an instance running KV connector `connector` (its
+    class name from `kv_transfer_config`), or None when it can."""
+    if connector in DRIVEN_CONNECTORS:
+        return None
+    supported = "supported: NixlConnector (pull), ExampleConnector (tests, one host)"
+    if connector is None:
+        return f"it runs no KV connector (start it with --kv-transfer-config; {supported})"
+    why = UNDRIVEN_CONNECTORS.get(connector)
+    detail = f": {why}" if why else ""
+    return f"it runs {connector}, which the gateway cannot drive{detail} ({supported})"
+
+
 class BadRequestError(ValueError):
     """The client's request cannot be served; the message goes back in the error body."""
 

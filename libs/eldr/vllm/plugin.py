@@ -175,6 +175,9 @@ class CaptureStates:
         self.geometry: Geometry | None = None
         self.model: str | None = None
         self.runner: str | None = None
+        self.kv_connector: str | None = None
+        """The instance's KV connector (told to gateways, which refuse one they cannot
+        drive)."""
         self.vllm_version = _vllm_version()
 
     def fail(self, which: str, reason: str, *, state: StateName = "failed") -> None:
@@ -217,6 +220,7 @@ class CaptureStates:
             vllm_version=self.vllm_version[:256],
             runner=self.runner,
             steps_rejected=self.steps_rejected,
+            kv_connector=self.kv_connector,
         )
 
 
@@ -251,6 +255,13 @@ def capture_callback(
                 errors.append(f"MoE layer {moe_index}: {type(exc).__name__}: {exc}")
 
     return capture
+
+
+def kv_connector_of(runner: Any) -> str | None:
+    """The KV connector class name the runner's engine was started with (None: none)."""
+    config = getattr(getattr(runner, "vllm_config", None), "kv_transfer_config", None)
+    name = getattr(config, "kv_connector", None)
+    return str(name)[:256] if name else None
 
 
 def _moe_modules(model: Any) -> list[tuple[int, Any]]:
@@ -327,6 +338,7 @@ class CaptureHook:
         self.in_step = False
         """Set while a wrapped execute_model runs (a nested call does not capture twice)."""
         states.runner = type(runner).__name__
+        states.kv_connector = kv_connector_of(runner)
         model_name = settings.vllm_model or str(runner.model_config.served_model_name)
         states.model = model_name[:256]
         self.model_name = model_name[:256]
@@ -839,6 +851,7 @@ def _wrap_worker_load_model(original: Callable[..., Any], plugin: _Plugin) -> An
             # The engine built a runner none of our wrappers covers: say so, loudly.
             states = plugin.states_for_worker()
             states.runner = type(runner).__name__
+            states.kv_connector = kv_connector_of(runner)
             states.fail(
                 "both",
                 f"model runner {type(runner).__module__}.{type(runner).__name__} is not "

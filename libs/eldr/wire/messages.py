@@ -556,7 +556,7 @@ class RequestFinished(Message, frozen=True, kw_only=True, tag="request_finished"
             require(self.moved_to is None, f"moved_to is set but the reason is {self.reason!r}")
 
 
-class CaptureStatus(Message, frozen=True, tag="capture_status"):
+class CaptureStatus(Message, frozen=True, kw_only=True, tag="capture_status"):
     """What an engine's ELDR capture plugin can do, on `{ns}.capture.{worker_id}` (core).
 
     Published when the plugin decides (at model load), whenever a state changes, and every
@@ -589,6 +589,11 @@ class CaptureStatus(Message, frozen=True, tag="capture_status"):
     """The model runner class the plugin hooked (e.g. "CPUModelRunner")."""
     steps_rejected: Count = 0
     """Engine steps whose captured rows failed validation since the engine started."""
+    kv_connector: Ident | None = None
+    """The KV connector the instance runs (`kv_transfer_config.kv_connector`, e.g.
+    "NixlConnector"); None when it runs none. Gateways refuse an instance whose connector
+    they cannot drive. v2."""
+    v: Version = 2
 
 
 # --- partitions ---------------------------------------------------------------------------
