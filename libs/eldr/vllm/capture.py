@@ -26,9 +26,13 @@ already counts them. So the router's sum `signature(cached blocks) + computed` c
 prompt token exactly once, whatever was cached (and so does the local sum that becomes
 `signature`).
 
-The engine's thread only counts (one `bincount` per request and step); building the wire
-messages (sparse encoding, structs) is deferred to whoever reads `StepResult.batches` /
-`StepResult.done` first: the publisher's thread.
+A step goes through three stages: `plan` (host arithmetic on the engine's thread: which
+rows form which (request, block) segment, which blocks and prompts the step completes),
+the segment counts (on the device in the plugin, `eldr.vllm.prefill_counts`; from the rows
+here, `segment_counts`), and `fold` (the counts into blocks and events, in step order).
+`on_step` does all three from rows. Building the wire messages (sparse encoding, structs)
+is deferred to whoever reads `StepResult.batches` / `StepResult.done` first: the
+publisher's thread.
 
 Pure: numpy, `eldr.core` and `eldr.wire` only; times come in as arguments.
 """

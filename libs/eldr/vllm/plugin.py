@@ -21,10 +21,13 @@ Per step, what `ELDR_VLLM_ROLE` asks for:
   prompt token ids and the tokens the engine did not compute (prefix-cache and connector
   hits); after the step the rows are mapped to requests and positions on the host
   (`eldr.vllm.layout`, from the runner's own batch bookkeeping: no device copy to find
-  them), copied once to the host, checked (every row written, every id in range) and
-  folded by `eldr.vllm.capture.CaptureState` into block summaries and `PrefillDone`
-  events. Requests carrying `kv_transfer_params.do_remote_prefill` (the decode side of a
-  PD request) are not prefill-captured.
+  them) and planned into (request, block) segments (`CaptureState.plan`); the segments
+  are counted on the device and copied back without waiting (`eldr.vllm.prefill_counts`),
+  and folded (`CaptureState.fold`, which checks every row was written with an id in
+  range) into block summaries and `PrefillDone` events when the copy arrived: by the
+  engine's thread before its next step, or by a drainer thread while it is idle.
+  Requests carrying `kv_transfer_params.do_remote_prefill` (the decode side of a PD
+  request) are not prefill-captured.
 - **decode** (and both): every request's decode rows (positions past its prompt) are
   counted on the device per request (`eldr.vllm.decode_profiles`, no host sync per step)
   and read back once when the engine finishes or aborts the request, then published as
