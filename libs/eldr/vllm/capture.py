@@ -329,20 +329,28 @@ class StepPlan:
 
 
 def segment_counts(plan: StepPlan, expert_ids: np.ndarray, geometry: Geometry) -> np.ndarray:
-    """uint32 [segments, L, E + 1] from the step's rows (int [rows, L, k]): per segment,
+    """int64 [segments, L, E + 1] from the step's rows (int [rows, L, k]): per segment,
     layer and expert the rows routed there; column E counts ids outside [0, E) (-1: a
-    layer that did not write). What the device computes in the plugin, on the host."""
+    layer that did not write). What the device computes in the plugin, on the host: one
+    `bincount` (the rows are a slice, not a copy, when they are contiguous, as they are
+    unless other requests' rows sit between them)."""
     g = geometry
     width = g.num_experts + 1
-    if plan.row_idx.size == 0:
-        return np.zeros((plan.n_segments, g.num_moe_layers, width), dtype=np.uint32)
-    ids = expert_ids[plan.row_idx].astype(np.int64)
-    ids[(ids < 0) | (ids >= g.num_experts)] = g.num_experts
-    flat = (
-        plan.seg_idx[:, None, None] * g.num_moe_layers + np.arange(g.num_moe_layers)[None, :, None]
-    ) * width + ids
-    counts = np.bincount(flat.ravel(), minlength=plan.n_segments * g.num_moe_layers * width)
-    return counts.reshape(plan.n_segments, g.num_moe_layers, width).astype(np.uint32)
+    cells = plan.n_segments * g.num_moe_layers * width
+    m = int(plan.row_idx.shape[0])
+    if m == 0:
+        return np.zeros((plan.n_segments, g.num_moe_layers, width), dtype=np.int64)
+    first = int(plan.row_idx[0])
+    if int(plan.row_idx[-1]) - first + 1 == m:
+        ids = expert_ids[first : first + m]
+    else:
+        ids = expert_ids[plan.row_idx]
+    if ((ids < 0) | (ids >= g.num_experts)).any():
+        ids = np.where((ids < 0) | (ids >= g.num_experts), g.num_experts, ids)
+    base = (plan.seg_idx[:, None] * g.num_moe_layers + np.arange(g.num_moe_layers)) * width
+    flat = base[:, :, None] + ids  # int64 [m, L, k]
+    counts = np.bincount(flat.ravel(), minlength=cells)
+    return counts.reshape(plan.n_segments, g.num_moe_layers, width)
 
 
 def invalid_counts_reason(counts: np.ndarray, geometry: Geometry) -> str | None:
@@ -807,6 +815,7 @@ class CaptureState:
         PrefillDone of every prompt it completed. Steps are folded in order."""
         g = self.config.geometry
         E = g.num_experts
+        counts = counts.astype(np.uint32, copy=False)
         for i, (capture, block, n_rows) in enumerate(plan.segments):
             capture.fold(block, counts[i, :, :E], n_rows)
         pending: list[PendingBlock] = []
