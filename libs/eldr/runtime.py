@@ -193,7 +193,7 @@ def configure_logging(level: str) -> None:
     )
 
 
-async def _start_http(ctx: ServiceContext[S], port: int) -> web.AppRunner:
+async def _start_http(ctx: ServiceContext[S], host: str, port: int) -> web.AppRunner:
     async def metrics(_: web.Request) -> web.Response:
         body = generate_latest(ctx.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -211,9 +211,9 @@ async def _start_http(ctx: ServiceContext[S], port: int) -> web.AppRunner:
     app.router.add_get("/readyz", readyz)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, "0.0.0.0", port)
+    site = web.TCPSite(runner, host, port)
     await site.start()
-    log.info("%s serving /metrics /healthz /readyz on port %d", ctx.name, port)
+    log.info("%s serving /metrics /healthz /readyz on %s:%d", ctx.name, host, port)
     return runner
 
 
@@ -254,7 +254,7 @@ async def run_service(
                 if change.action != "unchanged":
                     log.info("topology %s %s: %s", change.kind, change.name, change.action)
             if settings.metrics_port:
-                runner = await _start_http(ctx, settings.metrics_port)
+                runner = await _start_http(ctx, settings.metrics_host, settings.metrics_port)
             if install_signal_handlers:
                 loop = asyncio.get_running_loop()
                 for sig in (signal.SIGTERM, signal.SIGINT):

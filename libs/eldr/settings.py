@@ -387,6 +387,12 @@ class CommonSettings(BusSettings, RetentionSettings):
     metrics_port: int = Field(
         default=0, ge=0, le=65535, description="Port of the Prometheus /metrics endpoint; 0 = off."
     )
+    metrics_host: str = Field(
+        default="0.0.0.0",
+        min_length=1,
+        description="Address the /metrics, /healthz and /readyz endpoint binds (all "
+        "interfaces, for a scraper in another pod; the local stack uses 127.0.0.1).",
+    )
     instance_id: str = Field(
         default_factory=_default_instance_id,
         pattern=r"^[A-Za-z0-9_-]{1,128}$",

@@ -10,7 +10,11 @@ in use and capacity, and the ids of the requests admitted since the previous rep
   time, so a restarted vLLM resets the routers' view of the worker.
 - Admitted ids: the adapter follows `decisions.*` and lists the decided requests the
   metrics show arriving (`eldr.vllm.load.AdmissionTracker` says how and where it is
-  approximate).
+  approximate); it follows `finished.*` too, for the requests the gateway aborted on its
+  instance, which vLLM's metrics leave out.
+- `--disable-log-stats`: vLLM then exports no `vllm:*` series at all; the adapter refuses
+  to start against such an instance, naming the flag (and, if the instance is restarted
+  so later, says so at every failed scrape's log interval).
 - Shutdown: one last report with `draining = true`, so routers stop sending work here at
   once instead of after `stale_after_s`.
 """
@@ -24,9 +28,16 @@ import uuid
 import aiohttp
 
 from eldr.bus import BusError, Delivery
+from eldr.bus.topology import IDENTITY
 from eldr.runtime import ServiceContext, service_main
-from eldr.vllm.load import AdmissionTracker, MetricsError, VllmLoad, parse_metrics
-from eldr.wire import DecisionRoute, LoadReport
+from eldr.vllm.load import (
+    AdmissionTracker,
+    MetricsError,
+    StatsDisabledError,
+    VllmLoad,
+    parse_metrics,
+)
+from eldr.wire import DecisionRoute, LoadReport, RequestFinished
 
 from .metrics import AdapterMetrics
 from .settings import DecodeAdapterSettings
@@ -56,6 +67,11 @@ class DecodeAdapter:
         if decision.worker_id == self.settings.adapter_worker_id:
             self.tracker.assigned(decision.request_id, time.monotonic())
 
+    async def on_finished(self, event: RequestFinished, _: Delivery) -> None:
+        if event.reason == "abort" and event.worker_id == self.settings.adapter_worker_id:
+            self.tracker.abort()
+            self.metrics.aborts.inc()
+
     async def scrape(self) -> VllmLoad | None:
         url = self.settings.adapter_url + "/metrics"
         try:
@@ -71,6 +87,9 @@ class DecodeAdapter:
             return None
         try:
             load = parse_metrics(text)
+        except StatsDisabledError as exc:
+            self._failed("stats_disabled", exc)
+            return None
         except (MetricsError, ValueError) as exc:
             self._failed("invalid", exc)
             return None
@@ -81,12 +100,33 @@ class DecodeAdapter:
         self.metrics.up.set(1)
         return load
 
+    async def check_stats(self) -> None:
+        """At start: refuse an instance whose metrics are off (`--disable-log-stats`); its
+        load could never be reported. An instance not answering yet is no reason to
+        refuse (it may still be starting)."""
+        url = self.settings.adapter_url + "/metrics"
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.settings.adapter_scrape_timeout_s)
+            async with self.session.get(url, timeout=timeout) as resp:
+                text = await resp.text() if resp.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError):
+            return
+        if text is None:
+            return
+        try:
+            parse_metrics(text)
+        except StatsDisabledError as exc:
+            self.metrics.scrapes.labels("stats_disabled").inc()
+            raise StatsDisabledError(f"decode instance {url}: {exc}") from None
+        except (MetricsError, ValueError):
+            return  # said by every scrape
+
     def _failed(self, outcome: str, exc: BaseException) -> None:
         self.failures += 1
         self.metrics.scrapes.labels(outcome).inc()
         self.metrics.up.set(0)
         if self.failures == 1 or self.failures % 60 == 0:
-            log.warning(
+            (log.error if outcome == "stats_disabled" else log.warning)(
                 "decode instance %s: %s (%d failed scrapes); not reporting",
                 self.settings.adapter_url,
                 exc,
@@ -138,7 +178,14 @@ async def setup(ctx: ServiceContext[DecodeAdapterSettings]) -> None:
     session = aiohttp.ClientSession()
     ctx.stack.push_async_callback(session.close)
     adapter = DecodeAdapter(ctx, session)
+    await adapter.check_stats()
     await ctx.bus.subscribe(ctx.bus.subjects.decisions_all, DecisionRoute, adapter.on_decision)
+    await ctx.bus.subscribe(
+        ctx.bus.subjects.finished_all,
+        RequestFinished,
+        adapter.on_finished,
+        identity=IDENTITY[RequestFinished],
+    )
     reports = ctx.every(
         "decode-adapter", ctx.settings.adapter_interval_s, adapter.tick, until="close"
     )

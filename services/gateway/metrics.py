@@ -12,8 +12,9 @@ class GatewayMetrics:
         r = registry
         self.requests = Counter(
             "eldr_gateway_requests_total",
-            "Client requests by endpoint and outcome (ok, client_error, upstream_error, "
-            "unavailable).",
+            "Client requests by endpoint (completions, chat; models, tokenize, detokenize, "
+            "version passed through) and outcome (ok, client_error, upstream_error, "
+            "unavailable, aborted: the client went away).",
             ["endpoint", "outcome"],
             registry=r,
         )
@@ -64,7 +65,43 @@ class GatewayMetrics:
         )
         self.client_aborts = Counter(
             "eldr_gateway_client_aborts_total",
-            "Streams the client broke off (the decode request was cancelled upstream).",
+            "Requests whose client went away before the answer ended, streamed or not (the "
+            "upstream request, prefill or decode, was cancelled: vLLM aborts it).",
+            registry=r,
+        )
+        self.stream_errors = Counter(
+            "eldr_gateway_stream_errors_total",
+            "Streams that failed after the client got HTTP 200, ended with vLLM's error "
+            "event and [DONE]: upstream_broken (the decode connection failed), "
+            "idle_timeout (silent for gateway_upstream_idle_timeout_s), upstream_error "
+            "(vLLM sent an error event itself).",
+            ["reason"],
+            registry=r,
+        )
+        for reason in ("upstream_broken", "idle_timeout", "upstream_error"):
+            self.stream_errors.labels(reason)
+        self.unauthorized = Counter(
+            "eldr_gateway_unauthorized_total",
+            "Requests refused for a missing or unknown API key (gateway_api_keys).",
+            registry=r,
+        )
+        self.no_healthy_upstream = Counter(
+            "eldr_gateway_no_healthy_upstream_total",
+            "Requests answered 503 at once because no instance of the role was healthy.",
+            ["role"],
+            registry=r,
+        )
+        self.connector_refused = Gauge(
+            "eldr_gateway_connector_refused",
+            "1 while the instance is out of rotation because its KV connector (from its "
+            "capture plugin's status) is not one the gateway can drive.",
+            ["role", "instance"],
+            registry=r,
+        )
+        self.reprefills = Counter(
+            "eldr_gateway_reprefills_total",
+            "Prefills run again for a decode retry (the failed decode instance may have "
+            "pulled the first prefill's KV blocks).",
             registry=r,
         )
         self.prefill_capture = Gauge(

@@ -2,8 +2,10 @@
 
 For each `/v1/completions` or `/v1/chat/completions` request:
 
-1. Take the client's `X-Request-Id` (or make one): it travels with every hop and is the
-   id the decision is recorded under.
+1. Give the request its own id (`new_request_id`): it travels with every hop and is the
+   id the decision, the finish events and the profile are recorded under. The client's
+   `X-Request-Id`, if any, is only a label (`client_request_id` on the records) and comes
+   back in the response's `X-Request-Id`; `X-Eldr-Request-Id` carries the gateway's id.
 2. Send the prompt to the prefill instance with the fewest requests in flight, with
    `max_tokens = 1`, `kv_transfer_params.do_remote_decode`, and `vllm_xargs` naming the
    request id and this gateway's decision inbox. The capture plugin in that engine
@@ -28,11 +30,11 @@ instance answer their `/health`; `/metrics` is Prometheus.
 from __future__ import annotations
 
 import asyncio
-import itertools
+import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -48,7 +50,8 @@ from eldr.vllm.gateway import (
     DecisionWaiters,
     FinishTracker,
     InFlight,
-    StreamTally,
+    SseRelay,
+    UpstreamHealth,
     prompt_tokens_of,
     response_outcome,
     response_sources,
@@ -60,32 +63,57 @@ from eldr.vllm.pd import (
     BadRequestError,
     BodyLimits,
     LeastOutstanding,
+    client_request_id_from,
+    connector_problem,
     decode_body,
     decode_order,
     encode_body,
+    id_headers,
     max_tokens_of,
-    openai_error,
+    new_request_id,
     parse_body,
     prefill_body,
-    request_id_from,
     request_outcome,
     response_headers,
+    stream_error_event,
 )
 from eldr.vllm.sources import RETURN_FIELDS, LayerMap, ResponseSource, SourceError
 from eldr.wire import CaptureStatus, Decision, RequestFinished
 from eldr.wire.messages import FinishReason
 
+from .front import (
+    JSON,
+    ClientAnswer,
+    ClientGone,
+    api_key_check,
+    error_response,
+    to_client,
+    vllm_shaped_errors,
+)
 from .metrics import GatewayMetrics
 from .settings import GatewaySettings
 
 log = logging.getLogger(__name__)
 
 NAME = "gateway"
-JSON = "application/json"
 
 
 class UpstreamError(Exception):
-    """An upstream instance could not be reached or failed (5xx) before answering."""
+    """An upstream instance could not be reached or failed (5xx) before answering.
+    `reached`: whether the request may have reached its engine (a decode instance that
+    may have pulled the prefill's KV blocks: a retry elsewhere needs a fresh prefill)."""
+
+    def __init__(self, message: str, *, reached: bool = True) -> None:
+        super().__init__(message)
+        self.reached = reached
+
+
+class Unavailable(Exception):  # noqa: N818 - a control-flow signal, not an error
+    """No instance of a role is healthy: answered 503 at once."""
+
+    def __init__(self, role: str, down: list[str]) -> None:
+        super().__init__(f"no {role} instance is healthy ({', '.join(down)} down)")
+        self.role = role
 
 
 class Gateway:
@@ -98,7 +126,9 @@ class Gateway:
         self.decoders = s.decode_instances()
         self.prefill_picker = LeastOutstanding(list(self.prefills))
         self.decode_picker = LeastOutstanding(list(self.decoders))
-        self.healthy: dict[tuple[str, str], bool] = {}
+        self.health = UpstreamHealth(
+            [("prefill", n) for n in self.prefills] + [("decode", n) for n in self.decoders]
+        )
         self.inbox = ctx.bus.new_inbox()
         self.decisions = DecisionWaiters()
         self.decisions_stream = build_topology(s.namespace, s).stream_name(DECISIONS)
@@ -115,6 +145,11 @@ class Gateway:
             max_prompt_bytes=s.gateway_max_prompt_bytes,
             max_prompt_tokens=s.gateway_max_prompt_tokens,
         )
+        self._probes: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self.refused: dict[tuple[str, str], str] = {}
+        """Instances whose KV connector the gateway cannot drive (from their status)."""
+        key = s.gateway_upstream_api_key
+        self._upstream_auth = None if key is None else f"Bearer {key.get_secret_value()}"
 
     # --- decisions ------------------------------------------------------------------------
 
@@ -130,23 +165,60 @@ class Gateway:
 
     # --- upstream calls -------------------------------------------------------------------
 
-    def _timeout(self) -> aiohttp.ClientTimeout:
+    def _timeout(self, *, streamed: bool = False) -> aiohttp.ClientTimeout:
+        """A streamed decode is bounded by its silences only (a long healthy stream is
+        never cut); any other upstream answer as a whole."""
+        s = self.settings
+        if streamed:
+            return aiohttp.ClientTimeout(
+                total=None,
+                sock_connect=s.gateway_connect_timeout_s,
+                sock_read=s.gateway_upstream_idle_timeout_s,
+            )
         return aiohttp.ClientTimeout(
-            total=self.settings.gateway_upstream_timeout_s,
-            sock_connect=self.settings.gateway_connect_timeout_s,
+            total=s.gateway_upstream_timeout_s, sock_connect=s.gateway_connect_timeout_s
         )
 
+    def upstream_headers(self, request: web.Request, request_id: str | None) -> dict[str, str]:
+        """Headers of a request to a vLLM instance: its id, and the key (the gateway's own
+        upstream key, else the client's Authorization header as it came)."""
+        headers = {"Content-Type": JSON}
+        if request_id is not None:
+            headers[REQUEST_ID_HEADER] = request_id
+        auth = self._upstream_auth or request.headers.get("Authorization")
+        if auth:
+            headers["Authorization"] = auth
+        return headers
+
+    def _healthy(self, role: str, names: list[str]) -> list[str]:
+        """`names` less the instances known to be down; Unavailable when none is left."""
+        healthy = [n for n in names if self.health.healthy(role, n)]
+        if not healthy and names:
+            self.metrics.no_healthy_upstream.labels(role).inc()
+            raise Unavailable(role, names)
+        return healthy
+
+    def _down(self, role: str, name: str, why: str) -> None:
+        """A request found the instance unreachable: out of rotation until a probe passes."""
+        if self.health.mark(role, name, False):
+            self._say_health(role, name, False, why)
+
     async def prefill(
-        self, path: str, body: dict[str, Any], request_id: str
+        self, request: web.Request, path: str, body: dict[str, Any], request_id: str
     ) -> tuple[str, dict[str, Any]]:
-        """Run the prefill on one instance (another one if the first cannot be reached).
-        Returns (instance id, response JSON); raises web.HTTPException-like errors via
-        `UpstreamError` or returns the upstream's client error as a `ClientAnswer`."""
+        """Run the prefill on one healthy instance (another one if the first cannot be
+        reached). Returns (instance id, response JSON); raises `UpstreamError`,
+        `Unavailable`, or `ClientAnswer` (the upstream's 4xx, passed back as it is)."""
         tried: list[str] = []
         reconnected: set[str] = set()
+        headers = self.upstream_headers(request, request_id)
         while True:
-            name = self.prefill_picker.pick(exclude=tried)
+            down = [n for n in self.prefills if not self.health.healthy("prefill", n)]
+            name = self.prefill_picker.pick(exclude=[*tried, *down])
             if name is None:
+                if not tried:
+                    self.metrics.no_healthy_upstream.labels("prefill").inc()
+                    raise Unavailable("prefill", down)
                 raise UpstreamError(f"no prefill instance reachable (tried {', '.join(tried)})")
             tried.append(name)
             self.prefill_picker.acquire(name)
@@ -155,7 +227,7 @@ class Gateway:
                 async with self.session.post(
                     self.prefills[name] + path,
                     data=encode_body(body),
-                    headers={REQUEST_ID_HEADER: request_id, "Content-Type": JSON},
+                    headers=headers,
                     timeout=self._timeout(),
                 ) as resp:
                     payload = await resp.read()
@@ -163,6 +235,7 @@ class Gateway:
                         log.warning(
                             "prefill %s failed for %s: HTTP %d", name, request_id, resp.status
                         )
+                        self._probe_soon("prefill", name)
                         continue
                     if resp.status != 200:
                         raise ClientAnswer(resp.status, payload, resp.content_type)
@@ -171,7 +244,7 @@ class Gateway:
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
                 # Most often a kept-alive connection the server closed as we sent on it:
                 # nothing reached the engine, so the same instance is asked once more.
-                if name not in reconnected:
+                if name not in reconnected and not isinstance(exc, aiohttp.ClientConnectorError):
                     reconnected.add(name)
                     tried.remove(name)
                     self.metrics.prefill_reconnects.inc()
@@ -183,8 +256,11 @@ class Gateway:
                     )
                 else:
                     log.warning("prefill %s unreachable for %s: %s", name, request_id, exc)
+                    self._down("prefill", name, str(exc))
             except (aiohttp.ClientConnectionError, TimeoutError) as exc:
                 log.warning("prefill %s unreachable for %s: %s", name, request_id, exc)
+                if isinstance(exc, aiohttp.ClientConnectorError):
+                    self._down("prefill", name, str(exc))
             finally:
                 self.prefill_picker.release(name)
 
@@ -193,27 +269,44 @@ class Gateway:
         request: web.Request,
         path: str,
         body: dict[str, Any],
-        request_id: str,
+        kv_transfer_params: Any,
         candidates: list[str],
         finish: FinishTracker,
+        prefill_again: Callable[[], Awaitable[Any]],
     ) -> web.StreamResponse:
-        """Send the request to the first candidate that answers; stream its answer. Every
-        move to the next candidate and the end of the request become finish events."""
+        """Send the request to the first candidate that answers; stream its answer. A
+        candidate that failed after the request may have reached it (it may have pulled
+        the prefill's KV blocks) makes the next one get a fresh prefill first
+        (`prefill_again`, which returns its `kv_transfer_params`). Every move to the next
+        candidate and the end of the request become finish events."""
         attempts = candidates[: self.settings.gateway_max_decode_attempts]
         last_error = "no decode instance"
         previous: str | None = None
+        fresh_kv_needed = False
         for n, name in enumerate(attempts):
             if n:
                 self.metrics.decode_retries.inc()
             if previous is not None:
                 await self._publish_finish(finish.moved(previous, name))
+            if fresh_kv_needed:
+                self.metrics.reprefills.inc()
+                kv_transfer_params = await prefill_again()
             previous = name
             self.decode_picker.acquire(name)
             try:
-                return await self._decode_once(request, path, body, request_id, name, finish)
+                return await self._decode_once(
+                    request,
+                    path,
+                    decode_body(body, kv_transfer_params, finish.request_id),
+                    name,
+                    finish,
+                )
             except UpstreamError as exc:
                 last_error = str(exc)
-                log.warning("decode %s failed for %s before streaming: %s", name, request_id, exc)
+                fresh_kv_needed = exc.reached
+                log.warning(
+                    "decode %s failed for %s before streaming: %s", name, finish.request_id, exc
+                )
             finally:
                 self.decode_picker.release(name)
         await self._publish_finish(finish.finished(previous, "error"))
@@ -224,22 +317,36 @@ class Gateway:
         request: web.Request,
         path: str,
         body: dict[str, Any],
-        request_id: str,
         name: str,
         finish: FinishTracker,
     ) -> web.StreamResponse:
         started = time.perf_counter()
+        request_id = finish.request_id
+        streamed = bool(body.get("stream"))
         try:
             resp = await self.session.post(
                 self.decoders[name] + path,
                 data=encode_body(body),
-                headers={REQUEST_ID_HEADER: request_id, "Content-Type": JSON},
-                timeout=self._timeout(),
+                headers=self.upstream_headers(request, request_id),
+                timeout=self._timeout(streamed=streamed),
             )
+        except aiohttp.ClientConnectorError as exc:
+            self._down("decode", name, str(exc))
+            raise UpstreamError(f"{name}: {exc}", reached=False) from exc
         except (aiohttp.ClientConnectionError, TimeoutError) as exc:
             raise UpstreamError(f"{name}: {exc}") from exc
+        except asyncio.CancelledError:
+            # The client went away while this instance worked on the request (a whole
+            # answer's headers come only at its end): the connection is closed, vLLM
+            # aborts it, and the abort is this worker's (its adapter counts it).
+            self.metrics.client_aborts.inc()
+            await self._publish_finish(
+                finish.finished(name, "abort", decode_s=time.perf_counter() - started)
+            )
+            raise
         reason: FinishReason = "error"
         tokens: int | None = None
+        out: web.StreamResponse | None = None
         answered = False
         """Set once this worker took the request (no 5xx, no failure before the first
         byte): from then on its end is this request's final finish event."""
@@ -247,46 +354,84 @@ class Gateway:
             async with resp:
                 if resp.status >= 500:
                     text = (await resp.read())[:500].decode("utf-8", "replace")
+                    self._probe_soon("decode", name)
                     raise UpstreamError(f"{name}: HTTP {resp.status}: {text}")
-                headers = response_headers(resp.headers.items(), request_id, name)
-                if not body.get("stream") or resp.status != 200:
+                headers = response_headers(
+                    resp.headers.items(), request_id, name, finish.client_request_id
+                )
+                if not streamed or resp.status != 200:
+                    try:
+                        payload = await resp.read()
+                    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+                        raise UpstreamError(f"{name}: {exc}") from exc
                     answered = True
-                    payload = await resp.read()
                     if resp.status == 200:
                         reason, tokens = response_outcome(payload)
                     return web.Response(body=payload, status=resp.status, headers=headers)
-                out = web.StreamResponse(status=resp.status, headers=headers)
-                tally = StreamTally()
+                out = stream = web.StreamResponse(status=resp.status, headers=headers)
+                relay = SseRelay()
                 try:
                     async for chunk in resp.content.iter_any():
-                        tally.feed(chunk)
+                        forward = relay.feed(chunk)
+                        if not forward:
+                            continue
                         if not answered:
                             answered = True
-                            await _to_client(out.prepare(request))
-                        await _to_client(out.write(chunk))
-                    reason = tally.finish_reason or "stop"
-                    tokens = tally.output_tokens
+                            await to_client(stream.prepare(request))
+                        await to_client(stream.write(forward))
+                    rest = relay.flush()
                     if not answered:
                         answered = True
-                        await _to_client(out.prepare(request))
-                    await _to_client(out.write_eof())
-                except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
-                    # Reading the upstream failed (writes to the client raise _ClientGone).
+                        await to_client(stream.prepare(request))
+                    if rest:
+                        await to_client(stream.write(rest))
+                    reason = relay.tally.finish_reason or "stop"
+                    tokens = relay.tally.output_tokens
+                    if reason == "error":
+                        self.metrics.stream_errors.labels("upstream_error").inc()
+                    await to_client(stream.write_eof())
+                except (
+                    aiohttp.ClientPayloadError,
+                    aiohttp.ClientConnectionError,
+                    TimeoutError,
+                ) as exc:
+                    # Reading the upstream failed (writes to the client raise ClientGone).
                     if not answered:
                         raise UpstreamError(f"{name}: {exc}") from exc
-                    log.warning("decode %s broke off %s mid-stream: %s", name, request_id, exc)
-                    tokens = tally.output_tokens
-                except (_ClientGone, asyncio.CancelledError) as gone:
-                    # The client went away mid-stream: leaving `async with resp` closes
-                    # the upstream connection, which makes vLLM abort the request.
-                    if reason == "error":  # not after the upstream had finished
-                        reason, tokens = "abort", tally.output_tokens
-                    answered = True
-                    self.metrics.client_aborts.inc()
-                    if isinstance(gone, asyncio.CancelledError):
-                        raise
-                    log.info("client of %s went away mid-stream", request_id)
-                return out
+                    resp.close()  # the decode is aborted: nobody reads it any more
+                    idle = isinstance(exc, TimeoutError)
+                    self.metrics.stream_errors.labels(
+                        "idle_timeout" if idle else "upstream_broken"
+                    ).inc()
+                    tokens = relay.tally.output_tokens
+                    message = (
+                        f"the decode instance was silent for "
+                        f"{self.settings.gateway_upstream_idle_timeout_s:g} s"
+                        if idle
+                        else f"the decode instance broke off the stream: {exc}"
+                    )
+                    log.warning(
+                        "decode %s, request %s: %s; the stream ends with an error event",
+                        name,
+                        request_id,
+                        message,
+                    )
+                    with contextlib.suppress(ClientGone):
+                        await to_client(stream.write(stream_error_event(message, 502)))
+                        await to_client(stream.write_eof())
+                return stream
+        except (ClientGone, asyncio.CancelledError) as gone:
+            # The client went away (the handler is cancelled, or a write failed): close
+            # the upstream connection, which makes vLLM abort the request.
+            resp.close()
+            if reason == "error":  # not after the upstream had finished
+                reason = "abort"
+            answered = True
+            self.metrics.client_aborts.inc()
+            if isinstance(gone, asyncio.CancelledError):
+                raise
+            log.info("client of %s went away mid-stream", request_id)
+            return out if out is not None else web.Response(status=499)  # the client is gone
         finally:
             if answered:
                 await self._publish_finish(
@@ -320,13 +465,15 @@ class Gateway:
         endpoint = "chat" if chat else "completions"
         if not self.requests.enter():
             self.metrics.requests.labels(endpoint, "unavailable").inc()
-            return _error(503, "the gateway is shutting down")
+            return error_response(503, "the gateway is shutting down")
         self.metrics.in_flight.set(self.requests.count)
+        outcome = "aborted"
         try:
             response = await self._serve_one(request, path, chat=chat)
-            self.metrics.requests.labels(endpoint, request_outcome(response.status)).inc()
+            outcome = "unavailable" if response.status == 503 else request_outcome(response.status)
             return response
         finally:
+            self.metrics.requests.labels(endpoint, outcome).inc()
             self.requests.leave()
             self.metrics.in_flight.set(self.requests.count)
 
@@ -334,19 +481,26 @@ class Gateway:
         self, request: web.Request, path: str, *, chat: bool
     ) -> web.StreamResponse:
         s = self.settings
+        request_id = new_request_id()
+        ids = id_headers(request_id, None)
         try:
-            request_id = request_id_from(request.headers.get(REQUEST_ID_HEADER))
+            client_id = client_request_id_from(request.headers.get(REQUEST_ID_HEADER))
+            ids = id_headers(request_id, client_id)
             try:
                 data = await asyncio.wait_for(request.read(), timeout=s.gateway_body_timeout_s)
             except TimeoutError:
                 self.metrics.refused_bodies.labels("timeout").inc()
-                return _error(
-                    408, f"the request body did not arrive within {s.gateway_body_timeout_s:g} s"
+                return error_response(
+                    408,
+                    f"the request body did not arrive within {s.gateway_body_timeout_s:g} s",
+                    headers=ids,
                 )
             except web.HTTPRequestEntityTooLarge:
                 self.metrics.refused_bodies.labels("too_large").inc()
-                return _error(
-                    413, f"the request body is larger than {s.gateway_max_body_bytes:,} bytes"
+                return error_response(
+                    413,
+                    f"the request body is larger than {s.gateway_max_body_bytes:,} bytes",
+                    headers=ids,
                 )
             if len(data) > s.gateway_parse_inline_bytes:
                 body = await asyncio.to_thread(parse_body, data, chat=chat, limits=self.limits)
@@ -354,13 +508,19 @@ class Gateway:
                 body = parse_body(data, chat=chat, limits=self.limits)
         except BadRequestError as exc:
             self.metrics.refused_bodies.labels("invalid").inc()
-            return _error(400, str(exc), param=exc.param)
-        finish = FinishTracker(request_id, self.settings.instance_id, time.time)
+            return error_response(400, str(exc), param=exc.param, headers=ids)
+        finish = FinishTracker(request_id, self.settings.instance_id, time.time, client_id)
         outcome: FinishReason = "error"
         try:
-            return await self._route_and_decode(request, path, body, request_id, finish)
+            return await self._route_and_decode(request, path, body, finish, ids)
+        except Unavailable as exc:
+            return error_response(503, str(exc), headers=ids)
         except asyncio.CancelledError:
+            # The client went away before a decode instance answered (during the prefill,
+            # the decision wait): the prefill request was closed with it (vLLM aborts it).
             outcome = "abort"
+            if finish.final is None:
+                self.metrics.client_aborts.inc()
             raise
         finally:
             # Whatever happened before a decode worker took the request (prefill failed,
@@ -373,31 +533,33 @@ class Gateway:
         request: web.Request,
         path: str,
         body: dict[str, Any],
-        request_id: str,
         finish: FinishTracker,
+        ids: dict[str, str],
     ) -> web.StreamResponse:
+        request_id = finish.request_id
+        pre = prefill_body(
+            body,
+            request_id,
+            self.inbox,
+            decision_budget_s=self.settings.gateway_decision_timeout_s,
+            client_request_id=finish.client_request_id,
+        )
+        if self.response_sources:
+            pre.update(RETURN_FIELDS)
+        # Fail fast when no decode instance is up: before the prefill costs anything.
+        self._healthy("decode", list(self.decoders))
         with self.decisions.expecting(request_id) as waiter:
-            pre = prefill_body(
-                body,
-                request_id,
-                self.inbox,
-                decision_budget_s=self.settings.gateway_decision_timeout_s,
-            )
-            if self.response_sources:
-                pre.update(RETURN_FIELDS)
             try:
-                prefill_name, prefill_response = await self.prefill(path, pre, request_id)
+                prefill_name, prefill_response = await self.prefill(request, path, pre, request_id)
             except ClientAnswer as answer:
-                return answer.response(request_id)
+                return answer.response(ids)
             except UpstreamError as exc:
-                return _error(502, f"prefill failed: {exc}", request_id=request_id)
+                return error_response(502, f"prefill failed: {exc}", headers=ids)
             answered = time.perf_counter()
             if self.response_sources:
-                await self._publish_from_response(prefill_response, prefill_name, request_id, body)
+                await self._publish_from_response(prefill_response, prefill_name, finish, body)
             else:
-                await self._fall_back_if_uncaptured(
-                    prefill_name, prefill_response, request_id, body
-                )
+                await self._fall_back_if_uncaptured(prefill_name, prefill_response, finish, body)
             decision: Decision | None
             try:
                 decision, source = await self.decisions.wait(
@@ -416,21 +578,33 @@ class Gateway:
                     self.settings.gateway_decision_timeout_s,
                 )
             self.metrics.decision_wait.observe(time.perf_counter() - answered)
-        candidates = decode_order(decision, self.decode_picker)
+        candidates = self._healthy("decode", decode_order(decision, self.decode_picker))
+
+        async def prefill_again() -> Any:
+            _, response = await self.prefill(request, path, pre, request_id)
+            return response.get("kv_transfer_params")
+
         try:
             return await self.decode(
                 request,
                 path,
-                decode_body(body, prefill_response.get("kv_transfer_params"), request_id),
-                request_id,
+                body,
+                prefill_response.get("kv_transfer_params"),
                 candidates,
                 finish,
+                prefill_again,
             )
+        except ClientAnswer as answer:  # the prefill run again for a retry refused it
+            return answer.response(ids)
         except UpstreamError as exc:
-            return _error(502, f"decode failed: {exc}", request_id=request_id)
+            return error_response(502, f"decode failed: {exc}", headers=ids)
 
     async def _fall_back_if_uncaptured(
-        self, prefill_name: str, response: dict[str, Any], request_id: str, body: dict[str, Any]
+        self,
+        prefill_name: str,
+        response: dict[str, Any],
+        finish: FinishTracker,
+        body: dict[str, Any],
     ) -> None:
         """When the prefill instance's capture cannot produce this request's PrefillDone
         (its plugin says it is off or failed, or it never said anything), publish one
@@ -444,6 +618,7 @@ class Gateway:
         geometry = None
         if status is not None and status.num_moe_layers and status.num_experts:
             geometry = (status.num_moe_layers, status.num_experts)
+        request_id = finish.request_id
         event = unavailable_prefill_done(
             request_id=request_id,
             model=str(body.get("model") or ""),
@@ -456,6 +631,7 @@ class Gateway:
             problem=problem,
             wall_s=time.time(),
             decision_budget_s=self.settings.gateway_decision_timeout_s,
+            client_request_id=finish.client_request_id,
         )
         bus = self.ctx.bus
         try:
@@ -488,6 +664,7 @@ class Gateway:
 
     async def on_capture_status(self, status: CaptureStatus, _: Delivery) -> None:
         # Its worker id is the subject's token: the bus refuses any other (IDENTITY).
+        self._check_connector(status)
         taken = self.capture.update(status, time.monotonic())
         self.metrics.capture_status.labels("ok" if taken else "other_instance").inc()
         if taken:
@@ -496,9 +673,10 @@ class Gateway:
             )
 
     async def _publish_from_response(
-        self, response: dict[str, Any], prefill_name: str, request_id: str, body: dict[str, Any]
+        self, response: dict[str, Any], prefill_name: str, finish: FinishTracker, body: dict
     ) -> None:
         """The routed_experts source: publish blocks and PrefillDone ourselves."""
+        request_id = finish.request_id
         try:
             result = self.response_sources[prefill_name].from_response(
                 response,
@@ -508,6 +686,7 @@ class Gateway:
                 reply_to=self.inbox,
                 max_tokens=max_tokens_of(body),
                 decision_budget_s=self.settings.gateway_decision_timeout_s,
+                client_request_id=finish.client_request_id,
             )
         except SourceError as exc:
             log.warning("no signature for %s from %s: %s", request_id, prefill_name, exc)
@@ -523,15 +702,85 @@ class Gateway:
         except BusError as exc:
             log.warning("could not publish the prefill of %s: %s", request_id, exc)
 
-    async def models(self, _: web.Request) -> web.Response:
-        for name, url in itertools.chain(self.prefills.items(), self.decoders.items()):
+    def _check_connector(self, status: CaptureStatus) -> None:
+        """Refuse (out of rotation, said once, `eldr_gateway_connector_refused`) an
+        instance whose KV connector the gateway cannot drive; take it back once its status
+        says it runs one it can. Statuses before v2 do not say (nothing is refused)."""
+        name = status.worker_id
+        roles = [
+            r
+            for r, known in (("prefill", self.prefills), ("decode", self.decoders))
+            if name in known
+        ]
+        if not roles or status.v < 2:
+            return
+        problem = connector_problem(status.kv_connector)
+        for role in roles:
+            key = (role, name)
+            before = self.refused.get(key)
+            if problem == before:
+                continue
+            self.metrics.connector_refused.labels(role, name).set(1 if problem else 0)
+            if problem is None:
+                del self.refused[key]
+                log.info("%s instance %s runs %s: in rotation", role, name, status.kv_connector)
+                self._probe_soon(role, name)
+                continue
+            self.refused[key] = problem
+            log.error("%s instance %s refused: %s", role, name, problem)
+            if self.health.mark(role, name, False):
+                self._say_health(role, name, False, problem)
+
+    # --- other endpoints ------------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        return await self._pass_through(request, "models", "GET", "/v1/models")
+
+    async def version(self, request: web.Request) -> web.StreamResponse:
+        return await self._pass_through(request, "version", "GET", "/version")
+
+    async def tokenize(self, request: web.Request) -> web.StreamResponse:
+        return await self._pass_through(request, "tokenize", "POST", "/tokenize")
+
+    async def detokenize(self, request: web.Request) -> web.StreamResponse:
+        return await self._pass_through(request, "detokenize", "POST", "/detokenize")
+
+    async def _pass_through(
+        self, request: web.Request, endpoint: str, method: str, path: str
+    ) -> web.StreamResponse:
+        """Ask a healthy instance (prefill first: every instance serves the same model and
+        tokenizer) and answer as it answered. `vllm bench serve` and the `openai` SDK call
+        these (/v1/models, /tokenize, /detokenize); /version says the engines' version."""
+        data = await request.read() if method == "POST" else None
+        headers = self.upstream_headers(request, None)
+        order = [("prefill", n, u) for n, u in self.prefills.items()] + [
+            ("decode", n, u) for n, u in self.decoders.items()
+        ]
+        order.sort(key=lambda item: not self.health.healthy(item[0], item[1]))
+        for role, name, url in order:
             try:
-                async with self.session.get(url + "/v1/models", timeout=self._timeout()) as resp:
-                    if resp.status == 200:
-                        return web.Response(body=await resp.read(), content_type="application/json")
+                async with self.session.request(
+                    method, url + path, data=data, headers=headers, timeout=self._timeout()
+                ) as resp:
+                    payload = await resp.read()
+                    if resp.status >= 500:
+                        continue
+                    self.metrics.requests.labels(endpoint, request_outcome(resp.status)).inc()
+                    return web.Response(
+                        body=payload,
+                        status=resp.status,
+                        content_type=resp.content_type,
+                    )
             except (aiohttp.ClientConnectionError, TimeoutError) as exc:
-                log.debug("models from %s: %s", name, exc)
-        return _error(503, "no upstream instance answered /v1/models")
+                log.debug("%s from %s %s: %s", path, role, name, exc)
+        self.metrics.requests.labels(endpoint, "unavailable").inc()
+        return error_response(503, f"no upstream instance answered {path}")
+
+    async def health_endpoint(self, _: web.Request) -> web.Response:
+        """vLLM's /health: 200 (empty) while the gateway can serve (a healthy prefill and a
+        healthy decode instance, the bus connected), else 503."""
+        ok, _detail = self.ctx.readiness()
+        return web.Response(status=200 if ok else 503)
 
     async def healthz(self, _: web.Request) -> web.Response:
         return web.json_response({"service": NAME, "instance": self.settings.instance_id})
@@ -546,82 +795,80 @@ class Gateway:
 
     # --- upstream health ------------------------------------------------------------------
 
-    async def probe_once(self) -> None:
-        async def probe(role: str, name: str, url: str) -> None:
-            try:
-                async with self.session.get(
-                    url + "/health", timeout=aiohttp.ClientTimeout(total=2.0)
-                ) as resp:
-                    ok = resp.status == 200
-            except (aiohttp.ClientError, TimeoutError):
-                ok = False
-            self.healthy[(role, name)] = ok
-            self.metrics.upstream_healthy.labels(role, name).set(1 if ok else 0)
+    async def _probe(self, role: str, name: str) -> None:
+        url = (self.prefills if role == "prefill" else self.decoders)[name]
+        why = ""
+        try:
+            async with self.session.get(
+                url + "/health", timeout=aiohttp.ClientTimeout(total=2.0)
+            ) as resp:
+                ok = resp.status == 200
+                why = f"/health answered HTTP {resp.status}"
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            ok, why = False, f"/health: {exc or type(exc).__name__}"
+        if (role, name) in self.refused:  # a connector it cannot drive: stays out
+            ok, why = False, self.refused[(role, name)]
+        if self.health.mark(role, name, ok, probe=True):
+            self._say_health(role, name, ok, why)
+        self.metrics.upstream_healthy.labels(role, name).set(1 if ok else 0)
 
+    def _probe_soon(self, role: str, name: str) -> None:
+        """After a 5xx: probe the instance now (vLLM's /health answers 503 once its
+        engine died), not at the next round; one probe per instance at a time."""
+        key = (role, name)
+        if key in self._probes:
+            return
+        task = asyncio.create_task(self._probe(role, name), name=f"probe {role} {name}")
+        self._probes[key] = task
+        task.add_done_callback(lambda _: self._probes.pop(key, None))
+
+    async def close(self) -> None:
+        for task in list(self._probes.values()):
+            task.cancel()
+        await asyncio.gather(*self._probes.values(), return_exceptions=True)
+
+    def _say_health(self, role: str, name: str, ok: bool, why: str) -> None:
+        self.metrics.upstream_healthy.labels(role, name).set(1 if ok else 0)
+        if ok:
+            log.info("%s instance %s is back in rotation", role, name)
+            return
+        others = self.health.names(role, healthy=True)
+        log.error(
+            "%s instance %s is down (%s): out of rotation until its /health answers; %s",
+            role,
+            name,
+            why,
+            f"serving on {', '.join(others)}" if others else f"no {role} instance is left",
+        )
+
+    async def probe_once(self) -> None:
         await asyncio.gather(
-            *(probe("prefill", n, u) for n, u in self.prefills.items()),
-            *(probe("decode", n, u) for n, u in self.decoders.items()),
+            *(self._probe("prefill", n) for n in self.prefills),
+            *(self._probe("decode", n) for n in self.decoders),
         )
 
     def upstreams_ready(self) -> bool:
-        return any(ok for (role, _), ok in self.healthy.items() if role == "prefill") and any(
-            ok for (role, _), ok in self.healthy.items() if role == "decode"
-        )
+        return self.health.ready("prefill") and self.health.ready("decode")
 
     async def drain(self) -> None:
         await self.requests.drain(self.settings.gateway_drain_grace_s)
 
 
-class _ClientGone(Exception):  # noqa: N818 - a control-flow signal, not an error
-    """Writing to the client failed: it disconnected."""
-
-
-async def _to_client(write: Awaitable[Any]) -> None:
-    """Await a write to the client, turning its disconnection into `_ClientGone` (which
-    the upstream-read handlers do not catch: aiohttp's reset error is also a
-    ClientConnectionError)."""
-    try:
-        await write
-    except ConnectionResetError as exc:
-        raise _ClientGone(str(exc)) from exc
-
-
-class ClientAnswer(Exception):  # noqa: N818 - a control-flow signal, not an error
-    """An upstream's non-5xx error answer, passed back to the client as it is."""
-
-    def __init__(self, status: int, payload: bytes, content_type: str) -> None:
-        super().__init__(status)
-        self.status = status
-        self.payload = payload
-        self.content_type = content_type
-
-    def response(self, request_id: str) -> web.Response:
-        headers = {REQUEST_ID_HEADER: request_id}
-        if self.content_type == "application/json":
-            return web.Response(
-                body=self.payload,
-                status=self.status,
-                headers=headers,
-                content_type="application/json",
-            )
-        message = self.payload[:1000].decode("utf-8", "replace")
-        return _error(self.status, message, request_id=request_id)
-
-
-def _error(
-    status: int, message: str, *, param: str | None = None, request_id: str | None = None
-) -> web.Response:
-    headers = {REQUEST_ID_HEADER: request_id} if request_id else None
-    return web.json_response(
-        openai_error(message, status, param=param), status=status, headers=headers
-    )
-
-
 def build_app(gateway: Gateway) -> web.Application:
-    app = web.Application(client_max_size=gateway.settings.gateway_max_body_bytes)
+    middlewares = [vllm_shaped_errors]
+    keys = gateway.settings.api_keys()
+    if keys:
+        middlewares.append(api_key_check(keys, gateway.metrics.unauthorized.inc))
+    app = web.Application(
+        client_max_size=gateway.settings.gateway_max_body_bytes, middlewares=middlewares
+    )
     app.router.add_post("/v1/completions", gateway.completions)
     app.router.add_post("/v1/chat/completions", gateway.chat_completions)
     app.router.add_get("/v1/models", gateway.models)
+    app.router.add_get("/version", gateway.version)
+    app.router.add_post("/tokenize", gateway.tokenize)
+    app.router.add_post("/detokenize", gateway.detokenize)
+    app.router.add_get("/health", gateway.health_endpoint)
     app.router.add_get("/healthz", gateway.healthz)
     app.router.add_get("/readyz", gateway.readyz)
     app.router.add_get("/metrics", gateway.metrics_endpoint)
@@ -633,6 +880,7 @@ async def setup(ctx: ServiceContext[GatewaySettings]) -> None:
     session = aiohttp.ClientSession()
     ctx.stack.push_async_callback(session.close)
     gateway = Gateway(ctx, session)
+    ctx.stack.push_async_callback(gateway.close)
     if s.gateway_signature_source == "routed_experts":
         gateway.response_sources = _response_sources(s, list(gateway.prefills))
     await ctx.bus.subscribe(gateway.inbox, Decision, gateway.on_decision)
@@ -649,7 +897,9 @@ async def setup(ctx: ServiceContext[GatewaySettings]) -> None:
         "upstream-probe", interval_s, gateway.probe_once, first_after_s=interval_s, until="close"
     )
     ctx.add_health_check("upstreams", gateway.upstreams_ready)
-    runner = web.AppRunner(build_app(gateway), access_log=None)
+    # A client that disconnects cancels its handler: the upstream request (prefill or
+    # decode, streamed or not) is closed with it, which makes vLLM abort it.
+    runner = web.AppRunner(build_app(gateway), access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, s.gateway_host, s.gateway_port)
     await site.start()

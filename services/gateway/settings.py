@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 
 from eldr.settings import BlockHashSettings, CommonSettings
 from eldr.vllm.pd import (
@@ -49,7 +49,29 @@ class GatewaySettings(CommonSettings, BlockHashSettings):
         "(no capture status) before its requests are routed load-only at once.",
     )
     gateway_upstream_timeout_s: float = Field(
-        default=600.0, gt=0, description="Bound on one upstream request (prefill or decode)."
+        default=600.0,
+        gt=0,
+        description="Bound on an upstream answer that is not streamed, as a whole: the "
+        "prefill, a non-streamed decode (vLLM sends nothing until it is done), /v1/models, "
+        "/tokenize. A streamed decode has no total bound (a long healthy stream is never "
+        "cut), only gateway_upstream_idle_timeout_s.",
+    )
+    gateway_upstream_idle_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="Longest silence while reading a streamed decode (its first byte "
+        "included); longer: the stream ends with an error event and the decode is aborted.",
+    )
+    gateway_api_keys: SecretStr | None = Field(
+        default=None,
+        description="Comma-separated keys the gateway accepts as `Authorization: Bearer "
+        "<key>` on /v1/* (as vLLM's --api-key; 401 otherwise). Unset: no check.",
+    )
+    gateway_upstream_api_key: SecretStr | None = Field(
+        default=None,
+        description="Key the gateway sends to the vLLM instances (`Authorization: Bearer`), "
+        "for instances started with --api-key. Unset: the client's Authorization header "
+        "is forwarded to both legs as it came.",
     )
     gateway_connect_timeout_s: float = Field(
         default=5.0, gt=0, description="Bound on connecting to an upstream instance."
@@ -147,6 +169,12 @@ class GatewaySettings(CommonSettings, BlockHashSettings):
     def _instances(cls, value: str) -> str:
         parse_instances(value, "instances")
         return value
+
+    def api_keys(self) -> list[str]:
+        """The keys clients may present (empty: no check)."""
+        if self.gateway_api_keys is None:
+            return []
+        return [k.strip() for k in self.gateway_api_keys.get_secret_value().split(",") if k.strip()]
 
     def prefill_instances(self) -> dict[str, str]:
         return parse_instances(self.gateway_prefill, "gateway_prefill")

@@ -529,6 +529,7 @@ class RouterService:
             missing_blocks=missing,
             decide_s=time.perf_counter() - taken,
             prompt_tokens=msg.n_prompt_tokens,
+            client_request_id=msg.client_request_id,
         )
         # Counted now, before the commit's ack: decisions overlapping this one's commit see
         # it. Taken back if the commit does not stand.
@@ -609,6 +610,7 @@ class RouterService:
             decide_s=time.perf_counter() - taken,
             prompt_tokens=msg.n_prompt_tokens,
             outcome="expired",
+            client_request_id=msg.client_request_id,
         )
         if not await self._commit(msg, subject, record, delivery):
             return

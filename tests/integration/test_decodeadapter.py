@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from contextlib import AbstractAsyncContextManager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,7 +18,7 @@ from aiohttp import web
 
 from eldr.bus import Bus, Delivery
 from eldr.settings import BusSettings
-from eldr.wire import Decision, LoadReport
+from eldr.wire import Decision, LoadReport, RequestFinished
 from eldr_services.decodeadapter.service import setup
 from eldr_services.decodeadapter.settings import DecodeAdapterSettings
 from support import messages
@@ -37,12 +39,16 @@ class MetricsStandIn:
         self.waiting = 0
         self.finished = 0
         self.up = True
+        self.page: str | None = None
+        """A whole page to serve instead (e.g. vLLM's with its stats off)."""
         self.port = free_port()
         self._runner: web.AppRunner | None = None
 
     async def metrics(self, _: web.Request) -> web.Response:
         if not self.up:
             return web.Response(status=503)
+        if self.page is not None:
+            return web.Response(text=self.page)
         return web.Response(
             text=(
                 f'vllm:num_requests_running{{engine="0"}} {self.running}\n'
@@ -122,5 +128,66 @@ async def test_reports_load_admissions_liveness_and_draining(
             assert back.seq > admitted.seq
         last = await next_report(reports, lambda r: r.draining)
         assert last.worker_id == "decode-7"
+    finally:
+        await vllm.stop()
+
+
+def settings_for(bus_settings: BusSettings, vllm: MetricsStandIn) -> DecodeAdapterSettings:
+    return DecodeAdapterSettings(
+        **bus_settings.model_dump(),
+        adapter_worker_id="decode-7",
+        adapter_url=f"http://127.0.0.1:{vllm.port}",
+        adapter_interval_s=0.1,
+    )
+
+
+async def test_an_instance_with_its_stats_off_is_refused_at_start_naming_the_flag(
+    bus_settings: BusSettings,
+) -> None:
+    vllm = MetricsStandIn()
+    # The page real vLLM 0.32.0 serves with --disable-log-stats (recorded).
+    vllm.page = (
+        Path(__file__).parents[1] / "data" / "vllm-0.32.0-metrics-disable-log-stats.txt"
+    ).read_text()
+    await vllm.start()
+    try:
+        with pytest.raises(Exception, match="started with --disable-log-stats"):
+            async with adapter(settings_for(bus_settings, vllm)):
+                pass
+    finally:
+        await vllm.stop()
+
+
+async def test_requests_the_gateway_aborted_count_as_arrivals(
+    bus: Bus, bus_settings: BusSettings
+) -> None:
+    vllm = MetricsStandIn()
+    vllm.running = 1
+    await vllm.start()
+    reports: asyncio.Queue[LoadReport] = asyncio.Queue()
+
+    async def on_report(report: LoadReport, _: Delivery) -> None:
+        await reports.put(report)
+
+    await bus.subscribe(bus.subjects.load("decode-7"), LoadReport, on_report)
+    try:
+        async with adapter(settings_for(bus_settings, vllm)):
+            await next_report(reports, lambda r: True)  # the baseline: one running
+            await bus.publish(bus.subjects.decision("b"), decision("b", "decode-7"))
+            # The running request's client went away: vLLM drops it from `running` and
+            # counts it nowhere; b arrives meanwhile. The page still says one running.
+            await bus.publish(
+                bus.subjects.finished("gw0"),
+                RequestFinished(
+                    request_id="a",
+                    gateway_id="gw0",
+                    ts_s=time.time(),
+                    reason="abort",
+                    worker_id="decode-7",
+                ),
+            )
+            await bus.flush()
+            admitted = await next_report(reports, lambda r: r.admitted)
+            assert admitted.admitted == ["b"]
     finally:
         await vllm.stop()

@@ -16,7 +16,7 @@ from eldr.vllm.capture import (
     LocalSummary,
     StepResult,
 )
-from eldr.vllm.plugin import client_request_id
+from eldr.vllm.plugin import base_request_id, vllm_version_supported
 from eldr.wire import PrefillDone
 from eldr.wire.base import MAX_BLOCKS_PER_BATCH
 
@@ -228,8 +228,8 @@ def test_chunked_interleaved_prefill_assembles_the_exact_signature(
         ("plain", "plain"),
     ],
 )
-def test_client_request_id_is_recovered_from_vllm_ids(engine_id: str, client_id: str) -> None:
-    assert client_request_id(engine_id) == client_id
+def test_the_base_request_id_is_recovered_from_vllm_ids(engine_id: str, client_id: str) -> None:
+    assert base_request_id(engine_id) == client_id
 
 
 def test_block_hashes_are_keyed_with_the_deployment_key_and_the_deadline_travels() -> None:
@@ -389,3 +389,21 @@ def test_the_store_is_a_byte_bounded_lru_whose_lookup_is_all_or_nothing() -> Non
     assert got is not None
     assert len(got) == 2
     assert store.evictions == 2
+
+
+@pytest.mark.parametrize(
+    ("version", "supported"),
+    [
+        ("0.32.0", True),
+        ("0.32.4", True),
+        ("0.33.0", True),
+        ("0.33.1+cpu", True),
+        ("0.33.0rc1", True),
+        ("0.31.9", False),
+        ("0.34.0", False),
+        ("1.0.0", False),
+        ("?", False),
+    ],
+)
+def test_the_plugin_supports_a_version_range(version: str, supported: bool) -> None:
+    assert vllm_version_supported(version) is supported

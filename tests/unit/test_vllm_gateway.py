@@ -15,7 +15,9 @@ from eldr.vllm.gateway import (
     DecisionWaiters,
     FinishTracker,
     InFlight,
+    SseRelay,
     StreamTally,
+    UpstreamHealth,
     prompt_tokens_of,
     response_outcome,
     response_sources,
@@ -23,6 +25,7 @@ from eldr.vllm.gateway import (
 )
 from eldr.vllm.pd import (
     DECODE_WORKER_HEADER,
+    ELDR_REQUEST_ID_HEADER,
     REQUEST_ID_HEADER,
     LeastOutstanding,
     decode_order,
@@ -133,13 +136,22 @@ def test_without_a_decision_the_least_loaded_decoder_goes_first() -> None:
 
 
 def test_response_headers_drop_hop_headers_and_name_the_request_and_decoder() -> None:
-    upstream = [("Content-Type", "application/json"), ("Content-Length", "12"), ("X-A", "1")]
+    upstream = [
+        ("Content-Type", "application/json"),
+        ("Content-Length", "12"),
+        ("X-A", "1"),
+        ("x-request-id", "what vLLM echoes"),
+    ]
     assert response_headers(upstream, "rid", "d1") == {
         "Content-Type": "application/json",
         "X-A": "1",
         REQUEST_ID_HEADER: "rid",
+        ELDR_REQUEST_ID_HEADER: "rid",
         DECODE_WORKER_HEADER: "d1",
     }
+    # The client's own id comes back as it sent it; the gateway's id beside it.
+    headers = response_headers(upstream, "eldr-1", "d1", "client-7")
+    assert (headers[REQUEST_ID_HEADER], headers[ELDR_REQUEST_ID_HEADER]) == ("client-7", "eldr-1")
 
 
 @pytest.mark.parametrize(
@@ -262,3 +274,36 @@ def test_a_finish_tracker_makes_one_final_event_after_any_moves() -> None:
     assert (final.reason, final.worker_id, final.decode_s) == ("stop", "d1", 0.0)
     assert tracker.finished("d1", "error") is None
     assert tracker.final is final
+
+
+def test_an_sse_relay_passes_whole_events_and_holds_back_a_broken_one() -> None:
+    relay = SseRelay()
+    first = b'data: {"choices": [{"text": "a"}]}\n\n'
+    second = b'data: {"choices": [{"text": "b", "finish_reason": "length"}]}\n\n'
+    stream = first + second
+    assert relay.feed(stream[:10]) == b""
+    assert relay.feed(stream[10 : len(first) + 5]) == first
+    assert relay.dropped_bytes == 5  # the upstream broke here: nothing half-sent
+    assert relay.feed(stream[len(first) + 5 :] + b"data: [DONE]") == second
+    assert relay.flush() == b"data: [DONE]"
+    assert (relay.tally.finish_reason, relay.tally.chunks) == ("length", 2)
+
+
+def test_vllms_own_error_event_ends_a_stream_as_an_error() -> None:
+    tally = StreamTally()
+    tally.feed(b'data: {"choices": [{"text": "a"}]}\n\n')
+    tally.feed(b'data: {"error": {"message": "x", "type": "InternalServerError"}}\n\n')
+    assert tally.finish_reason == "error"
+
+
+def test_an_instance_leaves_the_rotation_when_found_down_and_comes_back_on_a_probe() -> None:
+    health = UpstreamHealth([("prefill", "p0"), ("decode", "d0"), ("decode", "d1")])
+    assert not health.ready("decode")  # healthy by default, ready only once probed
+    assert health.mark("decode", "d0", True, probe=True) is False  # no change
+    assert health.ready("decode")
+    assert health.mark("decode", "d0", False) is True
+    assert health.names("decode", healthy=True) == ["d1"]
+    assert not health.ready("decode")  # d1 was never probed
+    assert health.mark("decode", "d0", True, probe=True) is True
+    assert health.healthy("decode", "d0")
+    assert not health.healthy("decode", "unknown")

@@ -2,23 +2,36 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
-from eldr.vllm.load import AdmissionTracker, MetricsError, VllmLoad, parse_metrics
+from eldr.vllm.load import (
+    AdmissionTracker,
+    MetricsError,
+    StatsDisabledError,
+    VllmLoad,
+    parse_metrics,
+)
 from eldr.vllm.pd import (
     PREFILL_KV_PARAMS,
+    XARG_CLIENT_REQUEST_ID,
     XARG_MAX_TOKENS,
     XARG_REPLY_TO,
     XARG_REQUEST_ID,
     BadRequestError,
     LeastOutstanding,
     check_body,
+    client_request_id_from,
+    connector_problem,
     decode_body,
     decode_candidates,
+    new_request_id,
     openai_error,
     parse_instances,
     prefill_body,
-    request_id_from,
+    stream_error_event,
 )
 from eldr.wire import Decision
 from support import messages
@@ -65,6 +78,13 @@ def test_decode_body_carries_the_prefill_kv_handle() -> None:
         ({}, False, "prompt"),
         ({"messages": []}, True, "messages"),
         ({"prompt": "x", "n": 2}, False, "n"),
+        ({"prompt": "x", "n": 0}, False, "n"),
+        ({"prompt": "x", "n": True}, False, "n"),
+        ({"prompt": "x", "use_beam_search": True}, False, "use_beam_search"),
+        ({"prompt": "x", "max_tokens": 0}, False, "max_tokens"),
+        ({"prompt": "x", "max_completion_tokens": -1}, False, "max_completion_tokens"),
+        ({"prompt": "x", "max_tokens": 2.5}, False, "max_tokens"),
+        ({"prompt": "x", "max_tokens": 3, "min_tokens": 4}, False, "min_tokens"),
         ({"prompt": "x", "stream": "yes"}, False, "stream"),
         ({"prompt": "x", "kv_transfer_params": {}}, False, "kv_transfer_params"),
     ],
@@ -77,19 +97,56 @@ def test_invalid_bodies_are_refused_with_the_parameter(
     assert info.value.param == param
 
 
-def test_request_id_is_the_clients_or_a_fresh_one() -> None:
-    assert request_id_from("abc-1") == "abc-1"
-    assert request_id_from(None).startswith("eldr-")
+def test_every_request_gets_a_fresh_id_and_the_clients_is_a_validated_label() -> None:
+    assert new_request_id().startswith("eldr-")
+    assert new_request_id() != new_request_id()
+    assert client_request_id_from("abc-1") == "abc-1"
+    assert client_request_id_from(None) is None
     with pytest.raises(BadRequestError):
-        request_id_from("has space")
+        client_request_id_from("has space")
 
 
-def test_error_body_is_openai_shaped() -> None:
+def test_the_clients_id_travels_as_a_label_and_its_own_eldr_xargs_are_dropped() -> None:
+    body = {"prompt": "p", "vllm_xargs": {"eldr_reply_to": "decisions.x", "mine": 1}}
+    out = prefill_body(body, "eldr-1", "_INBOX.g", client_request_id="client-7")
+    assert out["vllm_xargs"] == {
+        "mine": 1,
+        XARG_REQUEST_ID: "eldr-1",
+        XARG_REPLY_TO: "_INBOX.g",
+        XARG_CLIENT_REQUEST_ID: "client-7",
+    }
+    assert decode_body(body, None, "eldr-1")["vllm_xargs"] == {"mine": 1, XARG_REQUEST_ID: "eldr-1"}
+    assert decode_body(body, None)["vllm_xargs"] == {"mine": 1}
+
+
+def test_error_bodies_have_vllms_shape() -> None:
     body = openai_error("bad", 400, param="n")
     assert body == {
-        "error": {"message": "bad", "type": "invalid_request_error", "param": "n", "code": None}
+        "error": {"message": "bad", "type": "BadRequestError", "param": "n", "code": 400}
     }
-    assert openai_error("down", 503)["error"]["type"] == "server_error"
+    assert openai_error("down", 503)["error"]["type"] == "ServiceUnavailableError"
+    assert openai_error("gone", 502)["error"] == {
+        "message": "gone",
+        "type": "Bad Gateway",
+        "param": None,
+        "code": 502,
+    }
+
+
+def test_a_stream_that_failed_ends_with_an_error_event_and_done() -> None:
+    event = stream_error_event("broke", 502)
+    first, second, rest = event.split(b"\n\n")
+    assert json.loads(first.removeprefix(b"data: "))["error"]["message"] == "broke"
+    assert (second, rest) == (b"data: [DONE]", b"")
+
+
+def test_the_prefill_leg_drops_what_cannot_apply_to_one_token() -> None:
+    body = {"prompt": "p", "max_tokens": 9, "min_tokens": 4, "min_completion_tokens": 4}
+    out = prefill_body(body, "r", "_INBOX.g")
+    assert "min_tokens" not in out
+    assert "min_completion_tokens" not in out
+    assert out["max_tokens"] == 1
+    assert body["min_tokens"] == 4
 
 
 def test_candidates_follow_decision_then_band_then_scores_then_the_rest() -> None:
@@ -151,6 +208,15 @@ def test_parse_metrics_refuses_a_page_without_vllm_gauges() -> None:
         parse_metrics("# TYPE x gauge\nx 1\n")
 
 
+DISABLED_PAGE = Path(__file__).parents[1] / "data" / "vllm-0.32.0-metrics-disable-log-stats.txt"
+
+
+def test_a_vllm_started_with_disable_log_stats_is_named_as_such() -> None:
+    # The page real vLLM serves with --disable-log-stats (recorded; the file says how).
+    with pytest.raises(StatsDisabledError, match="started with --disable-log-stats"):
+        parse_metrics(DISABLED_PAGE.read_text())
+
+
 def load(seen: int) -> VllmLoad:
     return VllmLoad(seen, 0, 0.0, 0, 0, None)
 
@@ -207,3 +273,27 @@ def test_the_prompt_stays_raw_json_and_is_forwarded_verbatim() -> None:
     assert b"[1, 2,  3]" in encode_body(body)  # the client's bytes, as they came
     chat = parse_body(b'{"messages": [{"role": "user", "content": "hi"}]}', chat=True)
     assert isinstance(chat["messages"], msgspec.Raw)
+
+
+def test_aborted_requests_count_as_arrivals() -> None:
+    # vLLM counts a request its API server aborted in none of running, waiting or
+    # request_success: without the gateway's abort events, the abort hides an arrival.
+    tracker = AdmissionTracker()
+    tracker.admitted(load(2), 0.0)  # two running
+    tracker.assigned("r1", 0.1)
+    tracker.abort()  # one of the two was aborted ...
+    # ... and r1 arrived in the same interval: the page shows 2 again.
+    assert tracker.admitted(load(2), 0.2) == ["r1"]
+    tracker.reset()  # a restarted instance: its counters (and the aborts) start again
+    assert tracker.aborted == 0
+
+
+def test_connectors_the_gateway_drives_and_why_not_the_others() -> None:
+    assert connector_problem("NixlConnector") is None
+    assert connector_problem("ExampleConnector") is None
+    mooncake = connector_problem("MooncakeConnector")
+    assert mooncake is not None
+    assert "transfer id" in mooncake
+    assert "NixlConnector (pull)" in mooncake
+    assert "no KV connector" in (connector_problem(None) or "")
+    assert "cannot drive" in (connector_problem("SomeNewConnector") or "")

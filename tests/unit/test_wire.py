@@ -118,6 +118,7 @@ def canonical_messages() -> dict[type[Message], Message]:
             capture="inexact",
             deadline_s=1_700_000_000.75,
             signature=_counts(scale=4),  # v4; `computed` (v3's golden) is never set with it
+            client_request_id="client chose this id",  # v5
         ),
         AssembleRequest: AssembleRequest(
             request_id="req-1",
@@ -162,6 +163,7 @@ def canonical_messages() -> dict[type[Message], Message]:
             ],
             live_workers=12,
             fleet_totals=(40, 9000),
+            client_request_id="client chose this id",  # v4
         ),
         LoadReport: LoadReport(
             worker_id="decode-3",
@@ -243,6 +245,7 @@ def canonical_messages() -> dict[type[Message], Message]:
             moved_to="decode-1",
             output_tokens=0,
             decode_s=0.002,
+            client_request_id="client chose this id",  # v2
         ),
         CaptureStatus: CaptureStatus(
             worker_id="prefill-0",
@@ -260,6 +263,7 @@ def canonical_messages() -> dict[type[Message], Message]:
             vllm_version="0.32.0",
             runner="CPUModelRunner",
             steps_rejected=1,
+            kv_connector="NixlConnector",  # v2
         ),
         DecodeJobAck: DecodeJobAck(request_id="req-1", accepted=False, reason="draining"),
         SimStatsRequest: SimStatsRequest(reset=True),
@@ -416,8 +420,8 @@ def test_an_unavailable_capture_carries_no_hashes_or_counts() -> None:
 
 def test_a_prefill_done_carries_the_whole_signature_or_the_computed_counts_not_both() -> None:
     event = canonical_messages()[PrefillDone]
-    assert (event.v, event.computed, event.signature_source) == (4, None, "event")
-    assert decode(encode(event), PrefillDone) == event  # v4 round trip
+    assert (event.v, event.computed, event.signature_source) == (5, None, "event")
+    assert decode(encode(event), PrefillDone) == event  # round trip
     raw = _raw(event)
     with pytest.raises(WireError, match="not both"):
         decode(_reencode(raw | {"computed": raw["signature"]}), PrefillDone)
@@ -455,6 +459,18 @@ def test_a_prefill_done_says_where_its_signature_is(changes: dict, source: str) 
         canonical_messages()[PrefillDone], signature=None, cached_prefix_blocks=0
     )
     assert msgspec.structs.replace(base, **changes).signature_source == source
+
+
+def test_records_before_the_client_label_decode_without_one() -> None:
+    for kind, message_type in (
+        ("prefill_done.v4", PrefillDone),
+        ("decision.v3", Decision),
+        ("request_finished.v1", RequestFinished),
+    ):
+        old = decode((GOLDEN_DIR / f"{kind}.msgpack").read_bytes(), message_type)
+        assert old.client_request_id is None, kind  # type: ignore[attr-defined]
+    status = decode((GOLDEN_DIR / "capture_status.v1.msgpack").read_bytes(), CaptureStatus)
+    assert status.kv_connector is None
 
 
 def test_finish_events_name_both_workers_only_for_a_move() -> None:

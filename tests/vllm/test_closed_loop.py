@@ -88,7 +88,8 @@ TOPICS = (
 
 @dataclass
 class Sent:
-    request_id: str
+    client_id: str
+    """The X-Request-Id sent (a label: the gateway gives each request its own id)."""
     stream: bool
     abort: bool
     max_tokens: int
@@ -96,6 +97,8 @@ class Sent:
     status: int = 0
     worker: str | None = None
     ended_s: float = 0.0
+    request_id: str = ""
+    """The gateway's id of the request (`X-Eldr-Request-Id`): its records' key."""
 
 
 @dataclass
@@ -155,10 +158,12 @@ async def send(http: aiohttp.ClientSession, url: str, sent: Sent, body: dict[str
     async with http.post(
         url + "/v1/completions",
         json=body,
-        headers={"X-Request-Id": sent.request_id},
+        headers={"X-Request-Id": sent.client_id},
         timeout=aiohttp.ClientTimeout(total=300),
     ) as resp:
         sent.status = resp.status
+        sent.request_id = resp.headers.get("X-Eldr-Request-Id", "")
+        assert resp.headers.get("X-Request-Id") == sent.client_id
         sent.worker = resp.headers.get("X-Eldr-Decode-Worker")
         if sent.abort:
             await resp.content.readany()  # the first chunk, then hang up
@@ -256,7 +261,7 @@ async def test_the_loop_closes_on_real_decode_workers(engines: Engines, tmp_path
     rng = np.random.default_rng(7)
     plan = [
         Sent(
-            request_id=f"loop-{run}-{n:04d}",
+            client_id=f"loop-{run}-{n:04d}",
             stream=bool(n % 2) or n % ABORT_EVERY == 0,
             abort=n % ABORT_EVERY == 0,
             max_tokens=int(rng.integers(2, 25)) if n % ABORT_EVERY else 400,

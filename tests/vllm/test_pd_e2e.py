@@ -4,7 +4,7 @@ A prefill and a decode vLLM instance with a real KV connector, the signature and
 services, the decode adapter (the decode instance's load, from its /metrics) and the
 gateway. Completions and chat completions, streaming and not, through the gateway equal
 what the decode instance answers directly (greedy decoding), and every request has a
-decision record under the client's request id.
+decision record under the gateway's own id of it, labelled with the client's request id.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from vllm_support import (
     answer_tokens,
     free_port,
     post,
+    post_for_headers,
     prefill_events,
     running,
     service_settings,
@@ -135,6 +136,8 @@ async def test_gateway_disaggregated_answers_equal_direct_vllm_and_are_all_decid
         ),
     ]
     got: dict[str, tuple[str, list[int]]] = {}
+    """The gateway's request id -> (text, token ids), in CASES order."""
+    client_id = f"e2e-{run}"
     async with (
         running(*services[0]),
         running(*services[1]),
@@ -142,13 +145,22 @@ async def test_gateway_disaggregated_answers_equal_direct_vllm_and_are_all_decid
         running(*services[3]),
     ):
         await wait_ready(gateway_url)
-        for kind, stream in CASES:
-            request_id = f"e2e-{run}-{kind}-{'stream' if stream else 'whole'}"
-            path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
-            answer = await post(
-                gateway_url + path, body_for(kind, stream, run), {"X-Request-Id": request_id}
+        # All at once, all with one client X-Request-Id (issue 22's collision: it keyed
+        # every record): each request still gets its own decision, on its own prompt.
+        answers = await asyncio.gather(
+            *(
+                post_for_headers(
+                    gateway_url + ("/v1/chat/completions" if kind == "chat" else "/v1/completions"),
+                    body_for(kind, stream, run),
+                    {"X-Request-Id": client_id},
+                )
+                for kind, stream in CASES
             )
-            got[request_id] = answer_tokens(answer, kind == "chat", stream)
+        )
+        for (kind, stream), (answer, headers) in zip(CASES, answers, strict=True):
+            assert headers["X-Request-Id"] == client_id
+            got[headers["X-Eldr-Request-Id"]] = answer_tokens(answer, kind == "chat", stream)
+        assert len(got) == len(CASES)
         async with aiohttp.ClientSession() as http:
             models = await (await http.get(gateway_url + "/v1/models")).json()
         assert models["data"][0]["id"] == MODEL_NAME
@@ -168,7 +180,9 @@ async def test_gateway_disaggregated_answers_equal_direct_vllm_and_are_all_decid
             decision = await bus.get_last(stream_name, bus.subjects.decision(request_id), Decision)
             assert decision is not None, request_id
             assert decision.worker_id == DECODE_ID
+            assert decision.client_request_id == client_id
             assert decision.signature is not None
+            assert events[request_id].client_request_id == client_id  # from the plugin
             computed = events[request_id].computed
             assert computed is not None
             np.testing.assert_array_equal(

@@ -219,6 +219,16 @@ def running(name: str, settings: Any, setup: Any) -> AbstractAsyncContextManager
 
 async def post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Any:
     """POST JSON, return the JSON answer (raises on a non-200 status)."""
+    answer, _ = await post_for_headers(url, body, headers)
+    return answer
+
+
+async def post_for_headers(
+    url: str, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> tuple[Any, Any]:
+    """POST JSON: (the JSON answer, or the SSE text when streamed; the response headers, a
+    case-insensitive multidict).
+    Raises on a non-200 status."""
     import aiohttp
 
     async with (
@@ -230,7 +240,8 @@ async def post(url: str, body: dict[str, Any], headers: dict[str, str] | None = 
         text = await resp.text()
         if resp.status != 200:
             raise AssertionError(f"POST {url}: HTTP {resp.status}: {text[:500]}")
-        return await resp.json(content_type=None) if not body.get("stream") else text
+        answer = await resp.json(content_type=None) if not body.get("stream") else text
+        return answer, resp.headers.copy()
 
 
 def answer_tokens(answer: Any, chat: bool, stream: bool) -> tuple[str, list[int]]:

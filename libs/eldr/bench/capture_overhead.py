@@ -10,6 +10,12 @@ and a decode-heavy batch (32 prompts, 256 output tokens each), prefix caching of
 tokens per second per run and the relative difference; `--json` writes them. Times on a
 shared 2-core machine are noisy: run it more than once (`--repeat`).
 
+`--step-cost` instead times what one 2,048-token prefill step costs the engine's thread
+in the capture (no engine: the step's rows are made up), at Qwen3-30B-A3B's geometry (48
+MoE layers x 128 experts, top-8, 16-token blocks), four prompts of 512 tokens: the plan of
+the step, the segment counts (torch on the CPU: numpy's bincount over the buffer), and the
+fold into block summaries and PrefillDone events. Median of 25.
+
 Needs the vLLM environment (.venv-vllm, see docs/VLLM.md).
 """
 
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import os
 import subprocess
@@ -87,6 +94,34 @@ def _apply_topology(url: str, namespace: str) -> None:
     asyncio.run(apply())
 
 
+def step_cost(reps: int = 25) -> dict[str, float]:
+    """Engine-thread time of the prefill capture of one step (see the module docstring)."""
+    import numpy as np
+
+    torch = importlib.import_module("torch")
+
+    from eldr.vllm.capture import CaptureConfig, CaptureState, Geometry
+    from eldr.vllm.prefill_counts import SegmentCounter
+
+    g, bs, n = Geometry(48, 128, 8), 16, 2048
+    rng = np.random.default_rng(0)
+    rows = np.argsort(rng.random((n, 48, 128)), axis=2)[:, :, :8].astype(np.int32)
+    buffer = torch.from_numpy(rows)
+    counter = SegmentCounter(g, max_rows=n, max_segments=n // bs + 5, block_size=bs, device="cpu")
+    times = []
+    for _ in range(reps):
+        state = CaptureState(CaptureConfig("p", "m", bs, g, local_summary_bytes=0))
+        for i in range(4):
+            state.add_request(f"r{i}", rng.integers(0, 50000, 512), 0, 0.0, request_id=f"r{i}")
+        started = time.perf_counter()
+        plan = state.plan([f"r{i}" for i in range(4)], [512] * 4, [0] * 4)
+        result = state.fold(plan, counter.count(buffer, plan).result(), 1.0, 1.0)
+        times.append(time.perf_counter() - started)
+        assert len(result.done) == 4
+    times.sort()
+    return {"median_ms": 1e3 * times[len(times) // 2], "min_ms": 1e3 * times[0]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=None)
@@ -94,7 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-words", type=int, default=300)
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--step-cost", action="store_true", help="time one step's capture")
     args = parser.parse_args(argv)
+    if args.step_cost:
+        cost = step_cost()
+        print(f"prefill capture, one 2,048-token step at 48 x 128, top-8: {cost}")
+        return 0
     from eldr.dev.natsserver import EmbeddedNats
 
     with tempfile.TemporaryDirectory() as tmp, EmbeddedNats() as nats:

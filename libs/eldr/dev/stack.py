@@ -462,6 +462,7 @@ class Stack:
             "ELDR_NATS_URL": self.nats_url,
             "ELDR_NAMESPACE": self.config.namespace,
             "ELDR_METRICS_PORT": str(metrics_port),
+            "ELDR_METRICS_HOST": "127.0.0.1",  # the local stack: loopback only
             "ELDR_INSTANCE_ID": f"{spec.name}-{index}",
             "ELDR_LOG_LEVEL": self.config.log_level,
             "PYTHONUNBUFFERED": "1",

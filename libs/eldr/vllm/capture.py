@@ -26,9 +26,13 @@ already counts them. So the router's sum `signature(cached blocks) + computed` c
 prompt token exactly once, whatever was cached (and so does the local sum that becomes
 `signature`).
 
-The engine's thread only counts (one `bincount` per request and step); building the wire
-messages (sparse encoding, structs) is deferred to whoever reads `StepResult.batches` /
-`StepResult.done` first: the publisher's thread.
+A step goes through three stages: `plan` (host arithmetic on the engine's thread: which
+rows form which (request, block) segment, which blocks and prompts the step completes),
+the segment counts (on the device in the plugin, `eldr.vllm.prefill_counts`; from the rows
+here, `segment_counts`), and `fold` (the counts into blocks and events, in step order).
+`on_step` does all three from rows. Building the wire messages (sparse encoding, structs)
+is deferred to whoever reads `StepResult.batches` / `StepResult.done` first: the
+publisher's thread.
 
 Pure: numpy, `eldr.core` and `eldr.wire` only; times come in as arguments.
 """
@@ -44,7 +48,6 @@ import numpy as np
 
 from eldr.core.signature.blockcache import ENTRY_OVERHEAD_BYTES
 from eldr.core.signature.blocks import COUNT_DTYPE, hash_chain
-from eldr.core.workload.trace import expert_counts
 from eldr.wire import BlockSummaryBatch, BlockSummaryMsg, PrefillDone, SparseCounts
 from eldr.wire.base import MAX_ATTRS, MAX_BLOCKS_PER_BATCH, MAX_ID_LEN
 
@@ -190,12 +193,14 @@ class LocalSummaries:
 
 @dataclass
 class RequestCapture:
-    """One request in prefill: its prompt, what was cached, the rows computed so far."""
+    """One request in prefill: its prompt, what was cached, which positions were computed
+    so far (the engine's side, `filled`) and the expert counts of its blocks in progress
+    (`partial`, added when each step's counts arrive: `CaptureState.fold`)."""
 
     engine_id: str
     """The engine's request id (the key of the step layout)."""
     request_id: str
-    """The client's request id (what the decision is recorded under)."""
+    """The gateway's id of the request (what the decision is recorded under)."""
     token_ids: np.ndarray
     block_hashes: list[int]
     cached_blocks: int
@@ -207,30 +212,41 @@ class RequestCapture:
     decision_budget_s: float | None = None
     """How long the requester waits for the decision after the prefill (the gateway's
     budget, from `vllm_xargs`): the event's deadline is its publish time plus this."""
+    client_request_id: str | None = None
+    """The client's own id for the request (a label on the PrefillDone)."""
     attrs: dict[str, str] = field(default_factory=dict)
-    rows: np.ndarray = field(init=False, repr=False)
-    """int16 [n_prompt - first_row, L, k]: expert ids of the tokens from `first_row` on."""
     filled: np.ndarray = field(init=False, repr=False)
-    next_block: int = field(init=False)
-    """Next full block whose summary is still to be emitted."""
+    """bool [n_prompt - first_row]: positions from `first_row` on computed (or cached)."""
+    planned_block: int = field(init=False)
+    """Next full block not yet planned complete (`CaptureState.plan`)."""
+    partial: dict[int, np.ndarray] = field(init=False, repr=False)
+    """Block index -> uint32 [L, E] counts folded so far (blocks not yet emitted)."""
+    tail_rows: int = field(init=False)
+    """Rows of the trailing partial block whose counts were folded (cached ones excluded)."""
     computed_total: np.ndarray = field(init=False, repr=False)
     """uint32 [L, E]: counts of the full blocks emitted so far."""
     block_size: int = 0
     geometry: Geometry | None = None
+    rows: list[tuple[np.ndarray, np.ndarray]] | None = None
+    """(positions, expert ids) of every computed row, kept only for the debug dump."""
 
     def __post_init__(self) -> None:
         assert self.geometry is not None
         assert self.block_size > 0
         g = self.geometry
-        n = self.n_prompt - self.first_row
-        self.rows = np.full((n, g.num_moe_layers, g.top_k), UNSET, dtype=EXPERT_ROW_DTYPE)
-        self.filled = np.zeros(n, dtype=bool)
-        self.next_block = self.cached_blocks
+        self.filled = np.zeros(self.n_prompt - self.first_row, dtype=bool)
+        self.planned_block = self.cached_blocks
+        self.partial = {}
+        self.tail_rows = 0
         self.computed_total = np.zeros((g.num_moe_layers, g.num_experts), dtype=np.uint32)
 
     @property
     def n_prompt(self) -> int:
         return int(self.token_ids.shape[0])
+
+    @property
+    def n_full(self) -> int:
+        return len(self.block_hashes)
 
     @property
     def first_row(self) -> int:
@@ -241,60 +257,116 @@ class RequestCapture:
     def complete(self) -> bool:
         return bool(self.filled.all())
 
-    def add(self, positions: np.ndarray, rows: np.ndarray) -> None:
-        """Store rows (int [n, L, k]) computed for prompt `positions` (int [n]); rows of
-        positions before `first_row` (inside a cached block) or past the prompt are
-        ignored."""
-        keep = (positions >= self.first_row) & (positions < self.n_prompt)
-        if not keep.any():
-            return
-        index = positions[keep] - self.first_row
-        self.rows[index] = rows[keep]
-        self.filled[index] = True
-
-    def ready_blocks(self) -> list[PendingBlock]:
-        """Counts of the full blocks completed since the last call, in order (one
-        bincount for all of them)."""
-        assert self.geometry is not None
-        bs, first = self.block_size, self.first_row
-        end = self.next_block
-        while end < len(self.block_hashes):
-            lo = end * bs - first
-            if not self.filled[lo : lo + bs].all():
-                break
-            end += 1
-        if end == self.next_block:
-            return []
+    def dump_rows(self) -> np.ndarray:
+        """int16 [n_prompt - first_row, L, k] of the rows kept for the dump (-1: none)."""
         g = self.geometry
-        n_blocks = end - self.next_block
-        rows = self.rows[self.next_block * bs - first : end * bs - first]
-        slot = (np.arange(n_blocks * bs) // bs)[:, None, None] * g.num_moe_layers + np.arange(
-            g.num_moe_layers
-        )[None, :, None]
-        flat = slot * g.num_experts + rows.astype(np.int64)
-        counts = np.bincount(flat.ravel(), minlength=n_blocks * g.num_moe_layers * g.num_experts)
-        per_block = counts.reshape(n_blocks, g.num_moe_layers, g.num_experts)
-        self.computed_total += per_block.sum(axis=0, dtype=np.uint32)
-        out = [
-            PendingBlock(
-                self.block_hashes[b],
-                self.block_hashes[b - 1] if b > 0 else None,
-                bs,
-                per_block[b - self.next_block].astype(COUNT_DTYPE),
-            )
-            for b in range(self.next_block, end)
-        ]
-        self.next_block = end
+        assert g is not None
+        out = np.full(
+            (self.n_prompt - self.first_row, g.num_moe_layers, g.top_k), UNSET, EXPERT_ROW_DTYPE
+        )
+        for positions, rows in self.rows or []:
+            out[positions - self.first_row] = rows
         return out
+
+    def fold(self, block: int, counts: np.ndarray, n_rows: int) -> None:
+        """Add one segment's counts (uint [L, E]: `n_rows` rows of block `block`)."""
+        held = self.partial.get(block)
+        if held is None:
+            self.partial[block] = counts.astype(np.uint32)
+        else:
+            held += counts
+        if block == self.n_full:
+            self.tail_rows += n_rows
+
+    def take_block(self, block: int) -> np.ndarray:
+        """The counts of a full block, complete: uint32 [L, E] (its partial sums)."""
+        assert self.geometry is not None
+        g = self.geometry
+        counts = self.partial.pop(block, None)
+        if counts is None:
+            counts = np.zeros((g.num_moe_layers, g.num_experts), dtype=np.uint32)
+        self.computed_total += counts
+        return counts
 
     def tail_counts(self) -> tuple[np.ndarray, bool]:
         """(uint32 [L, E] counts of the computed rows after the full blocks, whether those
         rows are the whole trailing partial block)."""
         assert self.geometry is not None
-        tail = self.rows[len(self.block_hashes) * self.block_size - self.first_row :]
-        real = tail[tail[:, 0, 0] != UNSET]
-        counts = expert_counts(real, self.geometry.num_experts).astype(np.uint32)
-        return counts, real.shape[0] == tail.shape[0]
+        g = self.geometry
+        counts = self.partial.pop(self.n_full, None)
+        if counts is None:
+            counts = np.zeros((g.num_moe_layers, g.num_experts), dtype=np.uint32)
+        return counts, self.tail_rows == self.n_prompt - self.n_full * self.block_size
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one engine step computed of the requests in prefill, known on the host before
+    any expert id is read: which rows go into which (request, block) segment, which full
+    blocks and which prompts this step completes. `CaptureState.plan` makes it on the
+    engine's thread; the segment counts come from the device (the plugin) or from rows
+    (`segment_counts`), and `CaptureState.fold` turns plan and counts into messages."""
+
+    row_idx: np.ndarray
+    """int64 [m]: the step's rows that are prompt tokens of requests in prefill."""
+    seg_idx: np.ndarray
+    """int64 [m]: each such row's segment."""
+    segments: list[tuple[RequestCapture, int, int]]
+    """(request, block index, rows) per segment; block `n_full` is the trailing partial."""
+    blocks: list[tuple[RequestCapture, int]]
+    """Full blocks completed by this step (request, block index), in order."""
+    done: list[RequestCapture]
+    """Requests whose prompt this step completed."""
+    positions: np.ndarray
+    """int64 [m]: each row's prompt position (for the debug dump)."""
+
+    @property
+    def n_segments(self) -> int:
+        return len(self.segments)
+
+    def __bool__(self) -> bool:
+        return bool(self.segments or self.blocks or self.done)
+
+
+def segment_counts(plan: StepPlan, expert_ids: np.ndarray, geometry: Geometry) -> np.ndarray:
+    """int64 [segments, L, E + 1] from the step's rows (int [rows, L, k]): per segment,
+    layer and expert the rows routed there; column E counts ids outside [0, E) (-1: a
+    layer that did not write). What the device computes in the plugin, on the host: one
+    `bincount` (the rows are a slice, not a copy, when they are contiguous, as they are
+    unless other requests' rows sit between them)."""
+    g = geometry
+    width = g.num_experts + 1
+    cells = plan.n_segments * g.num_moe_layers * width
+    m = int(plan.row_idx.shape[0])
+    if m == 0:
+        return np.zeros((plan.n_segments, g.num_moe_layers, width), dtype=np.int64)
+    first = int(plan.row_idx[0])
+    if int(plan.row_idx[-1]) - first + 1 == m:
+        ids = expert_ids[first : first + m]
+    else:
+        ids = expert_ids[plan.row_idx]
+    if ((ids < 0) | (ids >= g.num_experts)).any():
+        ids = np.where((ids < 0) | (ids >= g.num_experts), g.num_experts, ids)
+    base = (plan.seg_idx[:, None] * g.num_moe_layers + np.arange(g.num_moe_layers)) * width
+    flat = base[:, :, None] + ids  # int64 [m, L, k]
+    counts = np.bincount(flat.ravel(), minlength=cells)
+    return counts.reshape(plan.n_segments, g.num_moe_layers, width)
+
+
+def invalid_counts_reason(counts: np.ndarray, geometry: Geometry) -> str | None:
+    """Why a step's segment counts (uint [S, L, E + 1]) cannot be trusted, or None: some
+    row of some layer carried no valid expert id (column E), i.e. a layer did not write
+    (rows start at -1) or wrote an id outside [0, E)."""
+    if counts.size == 0:
+        return None
+    bad_layers = np.flatnonzero(counts[:, :, geometry.num_experts].sum(axis=0))
+    if bad_layers.size == 0:
+        return None
+    return (
+        f"MoE layer(s) {bad_layers.tolist()[:8]} (of {geometry.num_moe_layers}) wrote no "
+        f"expert id, or one outside [0, {geometry.num_experts}), for a step's prompt tokens: "
+        "a kernel path that bypasses the router callback"
+    )
 
 
 @dataclass(frozen=True)
@@ -466,6 +538,7 @@ def unavailable_prefill_done(
     problem: str,
     wall_s: float,
     decision_budget_s: float | None = None,
+    client_request_id: str | None = None,
 ) -> PrefillDone:
     """A PrefillDone for a prompt whose routing could not be captured: no block hashes,
     no counts, `capture = "unavailable"`, so a router decides load-only at once (recorded
@@ -491,7 +564,13 @@ def unavailable_prefill_done(
         attrs={"eldr_capture": problem[:64]},
         capture="unavailable",
         deadline_s=deadline_of(wall_s, decision_budget_s),
+        client_request_id=_label(client_request_id),
     )
+
+
+def _label(client_request_id: str | None) -> str | None:
+    """A client's request id as a record's label (bounded; None for none or empty)."""
+    return client_request_id[:MAX_ID_LEN] if client_request_id else None
 
 
 MAX_DECISION_BUDGET_S = 3600.0
@@ -520,6 +599,8 @@ class CaptureState:
     def __init__(self, config: CaptureConfig) -> None:
         self.config = config
         self.requests: dict[str, RequestCapture] = {}
+        self.keep_rows = False
+        """Keep every computed row on its request (`RequestCapture.rows`: the debug dump)."""
         self.batch_seq = 0
         self.inexact = 0
         """Requests whose computed counts could not be made exact (see `add_request`)."""
@@ -556,6 +637,7 @@ class CaptureState:
         max_tokens: int | None = None,
         attrs: dict[str, str] | None = None,
         decision_budget_s: float | None = None,
+        client_request_id: str | None = None,
     ) -> RequestCapture | None:
         """Start tracking a request the engine scheduled for the first time.
 
@@ -586,6 +668,7 @@ class CaptureState:
             reply_to=reply_to,
             max_tokens=max_tokens,
             decision_budget_s=decision_budget_s,
+            client_request_id=_label(client_request_id),
             attrs=dict(list(capture_attrs.items())[:MAX_ATTRS]),
             block_size=bs,
             geometry=self.config.geometry,
@@ -615,6 +698,7 @@ class CaptureState:
             problem=problem,
             wall_s=wall_s,
             decision_budget_s=capture.decision_budget_s,
+            client_request_id=capture.client_request_id,
         )
 
     def fail_all(self, problem: str, wall_s: float) -> list[PrefillDone]:
@@ -632,12 +716,13 @@ class CaptureState:
         now_s: float,
         wall_s: float,
     ) -> StepResult:
-        """Fold one step's rows into the requests in prefill.
+        """Fold one step's rows into the requests in prefill (`plan`, the counts of the
+        rows, `fold`: what the plugin does with the counting on the device).
 
         engine_ids / num_tokens: the step's requests in row order and how many rows each
         has; positions: int [rows] position of each row in its request; expert_ids: int
-        [rows, L, k] (rows past sum(num_tokens), e.g. padding, are ignored). `now_s` is
-        monotonic (durations), `wall_s` Unix time (event timestamps).
+        [rows, L, k] with ids in [0, E) (rows past sum(num_tokens), e.g. padding, are
+        ignored). `now_s` is monotonic (durations), `wall_s` Unix time (timestamps).
         """
         g = self.config.geometry
         total = int(sum(num_tokens))
@@ -651,28 +736,110 @@ class CaptureState:
                 f"{total} scheduled tokens but {expert_ids.shape[0]} expert rows and "
                 f"{positions.shape[0]} positions"
             )
-        blocks: list[PendingBlock] = []
-        seen: set[int] = set()
-        done: list[PendingDone] = []
-        completed: list[RequestCapture] = []
+        offsets = np.zeros(len(num_tokens) + 1, dtype=np.int64)
+        np.cumsum(np.asarray(num_tokens, dtype=np.int64), out=offsets[1:])
+        computed = [
+            int(positions[offsets[i]]) if num_tokens[i] else 0 for i in range(len(num_tokens))
+        ]
+        plan = self.plan(engine_ids, num_tokens, computed)
+        if self.keep_rows:
+            self.keep(plan, expert_ids)
+        return self.fold(plan, segment_counts(plan, expert_ids, g), now_s, wall_s)
+
+    def plan(
+        self, engine_ids: Sequence[str], num_tokens: Sequence[int], computed: Sequence[int]
+    ) -> StepPlan:
+        """The step's `StepPlan` from its layout (requests in row order, rows each, tokens
+        computed before): host arithmetic only. Marks the positions computed; requests
+        whose prompt completes leave `requests` (the plan keeps them for `fold`)."""
+        bs = self.config.block_size
+        rows: list[np.ndarray] = []
+        segs: list[np.ndarray] = []
+        poss: list[np.ndarray] = []
+        segments: list[tuple[RequestCapture, int, int]] = []
+        blocks: list[tuple[RequestCapture, int]] = []
+        done: list[RequestCapture] = []
         offset = 0
-        for engine_id, n in zip(engine_ids, num_tokens, strict=True):
+        for engine_id, n, c in zip(engine_ids, num_tokens, computed, strict=True):
             lo, offset = offset, offset + int(n)
             capture = self.requests.get(engine_id)
             if capture is None or n == 0:
                 continue
-            capture.add(positions[lo:offset], expert_ids[lo:offset])
-            for block in capture.ready_blocks():
-                if block.block_hash not in seen:  # two requests computed the same block
-                    seen.add(block.block_hash)
-                    blocks.append(block)
+            c = int(c)
+            first = capture.first_row
+            p0, p1 = max(c, first), min(c + int(n), capture.n_prompt)
+            if p1 > p0:
+                capture.filled[p0 - first : p1 - first] = True
+                b = p0 // bs
+                while b * bs < p1:
+                    s0, s1 = max(p0, b * bs), min(p1, (b + 1) * bs)
+                    rows.append(np.arange(lo + s0 - c, lo + s1 - c, dtype=np.int64))
+                    segs.append(np.full(s1 - s0, len(segments), dtype=np.int64))
+                    poss.append(np.arange(s0, s1, dtype=np.int64))
+                    segments.append((capture, b, s1 - s0))
+                    b += 1
+            end = capture.planned_block
+            while (
+                end < capture.n_full
+                and capture.filled[end * bs - first : (end + 1) * bs - first].all()
+            ):
+                blocks.append((capture, end))
+                end += 1
+            capture.planned_block = end
             if capture.complete:
-                done.append(self._prefill_done(capture, now_s, wall_s))
-                completed.append(capture)
+                done.append(capture)
                 del self.requests[engine_id]
+        empty = np.zeros(0, dtype=np.int64)
+        return StepPlan(
+            row_idx=np.concatenate(rows) if rows else empty,
+            seg_idx=np.concatenate(segs) if segs else empty,
+            segments=segments,
+            blocks=blocks,
+            done=done,
+            positions=np.concatenate(poss) if poss else empty,
+        )
+
+    def keep(self, plan: StepPlan, expert_ids: np.ndarray) -> None:
+        """Keep the plan's rows on their requests (the debug dump's only use)."""
+        for i, (capture, _, _) in enumerate(plan.segments):
+            mine = plan.seg_idx == i
+            if capture.rows is None:
+                capture.rows = []
+            capture.rows.append(
+                (plan.positions[mine], expert_ids[plan.row_idx[mine]].astype(EXPERT_ROW_DTYPE))
+            )
+
+    def fold(self, plan: StepPlan, counts: np.ndarray, now_s: float, wall_s: float) -> StepResult:
+        """Add a step's segment counts (uint [segments, L, >= E]; the plan's order) to its
+        requests: the blocks the step completed, with their summaries, and the
+        PrefillDone of every prompt it completed. Steps are folded in order."""
+        g = self.config.geometry
+        E = g.num_experts
+        counts = counts.astype(np.uint32, copy=False)
+        for i, (capture, block, n_rows) in enumerate(plan.segments):
+            capture.fold(block, counts[i, :, :E], n_rows)
+        pending: list[PendingBlock] = []
+        seen: set[int] = set()
+        for capture, b in plan.blocks:
+            block_counts = capture.take_block(b)
+            block_hash = capture.block_hashes[b]
+            if block_hash in seen:  # two requests computed the same block
+                continue
+            seen.add(block_hash)
+            pending.append(
+                PendingBlock(
+                    block_hash,
+                    capture.block_hashes[b - 1] if b > 0 else None,
+                    self.config.block_size,
+                    block_counts.astype(COUNT_DTYPE),
+                )
+            )
+        done = [self._prefill_done(capture, now_s, wall_s) for capture in plan.done]
         first_seq = self.batch_seq
-        self.batch_seq += StepResult.batch_count(len(blocks))
-        return StepResult(self.config, first_seq, wall_s, blocks, done, completed, owner=self)
+        self.batch_seq += StepResult.batch_count(len(pending))
+        return StepResult(
+            self.config, first_seq, wall_s, pending, done, list(plan.done), owner=self
+        )
 
     def _prefill_done(self, capture: RequestCapture, now_s: float, wall_s: float) -> PendingDone:
         c, g = self.config, self.config.geometry
@@ -694,6 +861,7 @@ class CaptureState:
             "attrs": capture.attrs,
             "cached_prefix_blocks": capture.cached_blocks,
             "deadline_s": deadline_of(wall_s, capture.decision_budget_s),
+            "client_request_id": capture.client_request_id,
         }
         cached = capture.block_hashes[: capture.cached_blocks]
         return PendingDone(fields, capture.computed_total + tail, partial, cached)

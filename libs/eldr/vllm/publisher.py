@@ -92,6 +92,8 @@ class BackgroundPublisher:
         self._closing = threading.Event()
         self.connected = threading.Event()
         """Set once the first connection to NATS is up (tests wait on it)."""
+        self.on_error: Callable[[str], None] | None = None
+        """Told (on the publisher's thread) of an exception the publisher did not expect."""
 
     # --- engine side (any thread) --------------------------------------------------------
 
@@ -241,7 +243,23 @@ class BackgroundPublisher:
             return bus
         return None
 
+    def _unexpected(self, what: str, exc: BaseException) -> None:
+        """An exception the publisher did not expect (a bug, a message it could not
+        build): counted, logged, reported through `on_error`; the thread goes on (the
+        status heartbeat must not stop)."""
+        self.stats.failed += 1
+        log.error("eldr capture publisher: %s failed", what, exc_info=exc)
+        if self.on_error is not None:
+            with contextlib.suppress(Exception):
+                self.on_error(f"{type(exc).__name__}: {exc} ({what})")
+
     async def _publish(self, bus: Bus, item: StepResult) -> None:
+        try:
+            await self._publish_step(bus, item)
+        except Exception as exc:
+            self._unexpected("publishing a step", exc)
+
+    async def _publish_step(self, bus: Bus, item: StepResult) -> None:
         subjects = bus.subjects
         for batch in item.batches:
             try:
@@ -263,6 +281,12 @@ class BackgroundPublisher:
                 )
 
     async def _publish_messages(self, bus: Bus, items: tuple[Outgoing, ...]) -> None:
+        try:
+            await self._publish_each(bus, items)
+        except Exception as exc:
+            self._unexpected("publishing messages", exc)
+
+    async def _publish_each(self, bus: Bus, items: tuple[Outgoing, ...]) -> None:
         subjects = bus.subjects
         for message in items:
             try:
@@ -300,3 +324,5 @@ class BackgroundPublisher:
         except (BusError, WireError) as exc:
             self.stats.failed += 1
             log.warning("eldr capture: status not published: %s", exc)
+        except Exception as exc:
+            self._unexpected("publishing the status", exc)

@@ -41,9 +41,10 @@ class CaptureSettings(BusSettings, BlockHashSettings):
     )
     vllm_allow_untested: bool = Field(
         default=False,
-        description="Capture on a vLLM version the plugin was not tested with (the row "
-        "layout it reads is internal to vLLM). Without it, such an instance says "
-        "'failed' in its CaptureStatus and the pipeline routes it load-only.",
+        description="Capture on a vLLM outside the supported versions (0.32.x, 0.33.x; the "
+        "row layout it reads is internal to vLLM). Without it, such an instance says "
+        "'off' in its CaptureStatus, with the reason, and the pipeline routes it load-only "
+        "(the engine serves either way).",
     )
     vllm_status_interval_s: float = Field(
         default=2.0,

@@ -137,6 +137,7 @@ class ResponseSource:
         prompt_start: int = 0,
         prefill_s: float = 0.0,
         decision_budget_s: float | None = None,
+        client_request_id: str | None = None,
     ) -> StepResult:
         """`prompt_start`: the request's `routed_experts_prompt_start` (rows before it
         were not returned; their blocks must come from the signature cache)."""
@@ -164,6 +165,7 @@ class ResponseSource:
             reply_to=reply_to,
             max_tokens=max_tokens,
             decision_budget_s=decision_budget_s,
+            client_request_id=client_request_id,
         )
         if capture is None:
             raise SourceError("nothing of the prompt was routed in this prefill")

@@ -70,6 +70,10 @@ NO_WORKER = "-"
 CaptureState = Literal["ok", "off", "failed"]
 """What a capture plugin can do for one role: "ok", "off" (not configured for it),
 "failed" (configured but cannot capture; `CaptureStatus.reason` says why)."""
+ClientRequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)]
+"""The id a client gave its request (its `X-Request-Id`): a label only. Every record is
+keyed by the gateway's own `request_id`, one per client request, so that two clients (or
+one client twice) sending the same id never share a decision."""
 ScoredWorker = tuple[Token, FiniteFloat]
 WorkerLoads = tuple[Token, Count, Count]
 """(worker, in-flight requests, KV tokens)."""
@@ -140,7 +144,7 @@ class PrefillDone(Message, frozen=True, kw_only=True, tag="prefill_done"):
 
     Published on `{ns}.prefill.done.{prefill_worker}` (stream PREFILL); consumed by one
     router replica through the durable consumer `router`. v2 added `capture`, v3
-    `deadline_s`, v4 `signature`.
+    `deadline_s`, v4 `signature`, v5 `client_request_id`.
 
     Where a router finds the request's counts (`signature_source`): in the event itself
     (`signature`: the prefill worker held a summary of every block it took from its prefix
@@ -199,7 +203,10 @@ class PrefillDone(Message, frozen=True, kw_only=True, tag="prefill_done"):
     prefix cache (`eldr.vllm.capture`), so a router needs no signature-service lookup;
     `computed` is then None (it is a part of this). None: as before v4 (`computed`, the
     service for the cached blocks). v4."""
-    v: Version = 4
+    client_request_id: ClientRequestId | None = None
+    """The client's own id for the request (its `X-Request-Id`), a label for finding the
+    records of a client request; `request_id` is the gateway's, unique per request. v5."""
+    v: Version = 5
 
     @property
     def signature_source(self) -> SignatureSource:
@@ -365,6 +372,9 @@ class Decision(Message, frozen=True, kw_only=True, tag="decision"):
     fleet_totals: tuple[Count, Count] | None = None
     """(in-flight requests, KV tokens) summed over the live fleet, with `considered` and no
     `fleet` (a load ceiling compares a candidate with the fleet's mean). v4."""
+    client_request_id: ClientRequestId | None = None
+    """The client's own id for the request, copied from the PrefillDone (a label; the
+    record is keyed by `request_id`, the gateway's id). v4."""
     v: Version = 4
 
     @property
@@ -545,7 +555,7 @@ class DecodeProfile(Message, frozen=True, tag="decode_profile"):
     """Mean time per output token, seconds, if measured."""
 
 
-class RequestFinished(Message, frozen=True, tag="request_finished"):
+class RequestFinished(Message, frozen=True, kw_only=True, tag="request_finished"):
     """A request left a decode worker, as the gateway that proxied it saw it.
 
     Core publish on `{ns}.finished.{gateway_id}`, recorded by stream FINISHED. Every
@@ -571,6 +581,9 @@ class RequestFinished(Message, frozen=True, tag="request_finished"):
     """Tokens the decode returned, when the response said (usage, or streamed chunks)."""
     decode_s: DurationS | None = None
     """From sending the request to the decode worker to the end of its response."""
+    client_request_id: ClientRequestId | None = None
+    """The client's own id for the request (a label; `request_id` is the gateway's). v2."""
+    v: Version = 2
 
     def __post_init__(self) -> None:
         if self.reason == "moved":
@@ -582,7 +595,7 @@ class RequestFinished(Message, frozen=True, tag="request_finished"):
             require(self.moved_to is None, f"moved_to is set but the reason is {self.reason!r}")
 
 
-class CaptureStatus(Message, frozen=True, tag="capture_status"):
+class CaptureStatus(Message, frozen=True, kw_only=True, tag="capture_status"):
     """What an engine's ELDR capture plugin can do, on `{ns}.capture.{worker_id}` (core).
 
     Published when the plugin decides (at model load), whenever a state changes, and every
@@ -615,6 +628,11 @@ class CaptureStatus(Message, frozen=True, tag="capture_status"):
     """The model runner class the plugin hooked (e.g. "CPUModelRunner")."""
     steps_rejected: Count = 0
     """Engine steps whose captured rows failed validation since the engine started."""
+    kv_connector: Ident | None = None
+    """The KV connector the instance runs (`kv_transfer_config.kv_connector`, e.g.
+    "NixlConnector"); None when it runs none. Gateways refuse an instance whose connector
+    they cannot drive. v2."""
+    v: Version = 2
 
 
 # --- partitions ---------------------------------------------------------------------------

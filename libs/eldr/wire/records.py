@@ -24,10 +24,12 @@ def decision_record(
     missing_blocks: int,
     decide_s: float,
     prompt_tokens: int | None,
+    client_request_id: str | None = None,
 ) -> Decision:
     """The `Decision` recording `outcome` (v4): the fleet where the decision read the whole
     fleet, else its candidates with the live-worker count and the fleet's load totals; the
-    candidates' activity terms where the marginal-union scorer read them."""
+    candidates' activity terms where the marginal-union scorer read them; the client's own
+    id for the request as a label (`client_request_id`)."""
     considered = [tuple(row) for row in outcome.considered]
     partial = bool(considered) and not outcome.fleet
     return Decision(
@@ -52,4 +54,5 @@ def decision_record(
         considered=considered,  # type: ignore[arg-type]
         live_workers=outcome.live_workers if partial else None,
         fleet_totals=outcome.fleet_totals if partial else None,
+        client_request_id=client_request_id,
     )
