@@ -194,7 +194,7 @@ class CentroidIndex:
         # Dense products: numpy gathers scattered cells far slower than it multiplies.
         reduced = query @ self._basis
         if self._hnsw is not None:
-            self._hnsw.set_ef(max(self._ef_search, want))
+            self._hnsw.set_ef(2 * want)  # recall of the reduced search: tests/unit/test_index.py
             labels, _ = self._hnsw.knn_query(reduced[None, :], k=want, num_threads=1)
             ids = np.sort(labels[0].astype(np.int64))
         else:

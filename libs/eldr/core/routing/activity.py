@@ -440,20 +440,38 @@ class ActivityReader:
         cols = range(len(self._workers)) if columns is None else columns.tolist()
         held = self._table._workers
         states = [held.get(self._workers[c]) for c in cols]
-        busy = [i for i, state in enumerate(states) if state is not None]
-        active = [state for state in states if state is not None]
         union = np.zeros(len(states))
         added = np.full(len(states), demand.total)  # an idle worker: every expert is new
-        if busy:
-            # One gather per worker (its idle probabilities at the request's cells), then
-            # the products for all of them at once.
-            at = np.stack([state.idle.take(demand.idx) for state in active])
-            factor = np.stack([state.factor for state in active])
-            at *= factor.take(demand.layer_of, axis=1)
-            idle = np.stack([state.layer_idle for state in active])
-            added[busy] = at @ demand.p_excess + idle @ demand.p_base
-            union[busy] = [state.union for state in active]
+        idx, layer_of = demand.idx, demand.layer_of
+        p_excess, p_base = demand.p_excess, demand.p_base
+        busy = [i for i, state in enumerate(states) if state is not None]
+        active = [state for state in states if state is not None]
+        if len(active) <= STACK_FROM:
+            # A few workers (the usual band): a loop costs less than stacking their rows.
+            for i, state in zip(busy, active, strict=True):
+                at = state.idle.take(idx)
+                at *= state.factor.take(layer_of)
+                added[i] = p_excess @ at + p_base @ state.layer_idle
+                union[i] = state.union
+        elif active:
+            # Many (a large band): one gather per worker, then the products at once.
+            m = len(active)
+            at = np.empty((m, idx.size))
+            factor = np.empty((m, demand.num_moe_layers))
+            layer_idle = np.empty((m, demand.num_moe_layers))
+            for j, state in enumerate(active):
+                state.idle.take(idx, out=at[j])
+                factor[j] = state.factor
+                layer_idle[j] = state.layer_idle
+                union[busy[j]] = state.union
+            at *= factor.take(layer_of, axis=1)
+            added[busy] = at @ p_excess + layer_idle @ p_base
         return union, added
+
+
+STACK_FROM = 4
+"""Busy workers from which `ActivityReader.marginal` gathers their rows into one matrix
+(measured: below it, per-worker products cost less than the copies)."""
 
 
 class RecordedActivity:
