@@ -11,8 +11,10 @@ record (`Decision.profile`), the trainer's shadow gate, replay, explain, the ben
 demo. The policy that acts on a profile is built by `eldr.core.routing.pipeline.make_policy`.
 
 The shape follows the plug-in routers (llm-d's filter -> scorer -> picker configured as
-data): the policy is code, its configuration is a typed value that can be logged, recorded,
-compared and replayed.
+data): a profile names the stages of one routing pipeline (`Pipeline`: candidates, filters,
+weighted scorers, a picker; each stage a typed struct here, its function in
+`eldr.core.routing.stages`), so a policy is a value that can be logged, recorded, compared
+and replayed; `PipelineProfile` lists stages directly, a new policy without new code.
 
 `profile_from_params` is the one place where loose names and values become a profile: the
 legacy settings (`ELDR_POLICY`, `ELDR_TAU`, `ELDR_LOAD_MEASURE`), the legacy fields of
@@ -31,24 +33,45 @@ import msgspec
 from msgspec import Meta
 
 __all__ = [
+    "COST_TOLERANCE",
     "DEFAULT_PROFILE",
     "LOAD_MEASURES",
     "LOAD_ONLY_PROFILES",
+    "MAX_STAGES",
+    "NEAREST_K",
     "PAPER_PROFILE",
     "PRIOR_TOKENS",
     "PROFILE_TYPES",
     "ROUTER_POLICIES",
+    "AllLive",
+    "Band",
+    "CandidateStage",
+    "CentroidCost",
+    "Cheapest",
+    "Cycle",
+    "Drawn",
+    "EldrBandCostProfile",
     "EldrBoundedProfile",
     "EldrCostProfile",
     "EldrProfile",
+    "FilterStage",
     "JsqProfile",
+    "LoadCeiling",
+    "LoadCost",
     "LoadMeasure",
+    "MarginalUnionCost",
+    "NearestCentroids",
     "OracleProfile",
     "P2cProfile",
+    "PickerStage",
+    "Pipeline",
+    "PipelineProfile",
     "ProfileBase",
     "RandomProfile",
     "RoundRobinProfile",
     "RoutingProfile",
+    "ScorerStage",
+    "Stage",
     "as_routing_profile",
     "decode_profile",
     "encode_profile",
