@@ -52,6 +52,7 @@ from vllm_support import (
 
 from eldr.bus import Bus, Delivery
 from eldr.bus.topology import DECISIONS
+from eldr.core.routing.profile import DEFAULT_PROFILE
 from eldr.core.workload.trace import expert_counts
 from eldr.settings import BusSettings
 from eldr.wire import Decision, DecodeProfile, RefitReply, RefitRequest, RequestFinished
@@ -360,7 +361,7 @@ async def test_the_loop_closes_on_real_decode_workers(engines: Engines, tmp_path
     assigned = [d for d in decisions.values() if d.assigned]
     per_worker = Counter(d.worker_id for d in assigned)
     assert set(per_worker) == set(DECODE_IDS), per_worker
-    assert all(d.policy == "eldr_cost" for d in decisions.values())
+    assert all(d.policy == DEFAULT_PROFILE.name for d in decisions.values())
     lopsided = [d for d in assigned if _spread(d) >= 3]
     to_lighter = [d for d in lopsided if _load_of(d, d.worker_id) == _min_load(d)]
     print(
@@ -409,16 +410,24 @@ def finals(observed: Observed) -> list[str]:
     ]
 
 
+def _loads(decision: Decision) -> dict[str, int]:
+    """In-flight requests per worker as the decision saw them: its fleet, or (a fleet-scale
+    decision's record) its candidates."""
+    if decision.fleet:
+        return {w: n for w, n, _ in decision.fleet}
+    return {row[0]: row[1] for row in decision.considered}
+
+
 def _load_of(decision: Decision, worker: str) -> int:
-    return next(n for w, n, _ in decision.fleet if w == worker)
+    return _loads(decision)[worker]
 
 
 def _min_load(decision: Decision) -> int:
-    return min(n for _, n, _ in decision.fleet)
+    return min(_loads(decision).values())
 
 
 def _spread(decision: Decision) -> int:
-    loads = [n for _, n, _ in decision.fleet]
+    loads = list(_loads(decision).values())
     return max(loads) - min(loads) if len(loads) >= 2 else 0
 
 
