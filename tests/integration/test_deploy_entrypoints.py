@@ -42,7 +42,6 @@ import pytest
 
 from eldr.bus.permissions import inbox_prefix
 from eldr.cli import COMMAND_MODULES
-from eldr.deploy.kustomize import render
 from eldr.dev.metricrefs import (
     NATS_EXPORTER_METRICS,
     PROMETHEUS_SERIES,
@@ -51,6 +50,7 @@ from eldr.dev.metricrefs import (
     rules_metric_names,
 )
 from eldr.dev.natsserver import EmbeddedNats, free_port
+from support.kustomize import render
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -2,8 +2,8 @@
 a failure instead of a skip.
 
 A test that cannot run here (no PostgreSQL server, no `initdb`, no `openssl` command, no
-`nkeys` package, no promtool, no shared data set) skips with the reason, so a developer's
-machine without them still runs the rest. CI must not hide a missing install step that
+`nkeys` package, no promtool, no kubectl, no shared data set) skips with the reason, so a
+developer's machine without them still runs the rest. CI must not hide a missing install step that
 way: `.ci/run` sets every switch of `SWITCHES`, and then `missing` fails the test with the
 same reason. `tests/unit/test_prerequisites.py` checks that every skip on a missing
 prerequisite goes through here and that `.ci/run` sets every switch.
@@ -25,6 +25,8 @@ SWITCHES: dict[str, str] = {
     "ELDR_TEST_REQUIRE_OPENSSL": "the openssl command line, for the security tests' "
     "certificates (scripts/bootstrap-tools)",
     "ELDR_TEST_REQUIRE_NKEYS": "the nkeys package (a dependency in pyproject.toml)",
+    "ELDR_TEST_REQUIRE_KUBECTL": "kubectl (kustomize v5 inside), to render the deploy/ "
+    "overlays with the real kustomize (the machine image brings it)",
     "ELDR_TEST_REQUIRE_DATA": "the shared data set, ../shared/data beside the repository "
     "(real expert traces, OLMoE routing counts)",
 }

@@ -1,8 +1,8 @@
 """The Kubernetes manifests (deploy/k8s), the Helm values and the Dockerfile, offline: every
-rendered object validates against the Kubernetes API schemas (kubernetes-validate, strict),
-every ELDR container has probes on its metrics port, requests and limits and a command the
-`eldr` CLI accepts, and the pieces that name each other (Secrets, ConfigMap keys, HPA
-metrics, selectors, the image's migrations directory) agree."""
+object `kubectl kustomize` renders validates against the Kubernetes API schemas
+(kubernetes-validate, strict), every ELDR container has probes on its metrics port, requests
+and limits and a command the `eldr` CLI accepts, and the pieces that name each other
+(Secrets, ConfigMap keys, HPA metrics, selectors, the image's migrations directory) agree."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ import pytest
 import yaml
 
 from eldr.cli import build_parser
-from eldr.deploy.kustomize import containers, load_documents, render
 from eldr.dev.metricrefs import adapter_rules
 from eldr.serve import service_names
 from eldr.settings import CommonSettings
@@ -28,6 +27,7 @@ from eldr_services.signature.settings import SignatureSettings
 from eldr_services.simdecode.settings import SimDecodeSettings
 from eldr_services.simprefill.settings import SimPrefillSettings
 from eldr_services.trainer.settings import TrainerSettings
+from support.kustomize import render
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -51,6 +51,15 @@ def dev() -> list[Obj]:
 @pytest.fixture(scope="module")
 def prod() -> list[Obj]:
     return render(OVERLAYS["prod"])
+
+
+def containers(obj: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Every container and init container of an object's pod specs, at any depth."""
+    for key, value in obj.items():
+        if key in ("containers", "initContainers") and isinstance(value, list):
+            yield from (c for c in value if isinstance(c, dict))
+        elif isinstance(value, dict):
+            yield from containers(value)
 
 
 def of_kind(objects: list[Obj], kind: str) -> dict[str, Obj]:
@@ -426,7 +435,8 @@ def test_postgresql_values_take_passwords_from_the_documented_secret() -> None:
 
 
 def test_the_podmonitor_scrapes_the_metrics_port() -> None:
-    (monitor,) = load_documents(DEPLOY / "prometheus" / "podmonitor.yaml")
+    text = (DEPLOY / "prometheus" / "podmonitor.yaml").read_text()
+    (monitor,) = [d for d in yaml.safe_load_all(text) if d is not None]
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert monitor["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": "eldr"}
     assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"

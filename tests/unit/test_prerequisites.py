@@ -2,8 +2,8 @@
 
 A skip hides a missing install step as well as it spares a developer's machine: each one
 goes through `support.prereq.missing` (or `shared_data`) with a switch, and `.ci/run`
-sets every switch, so in CI a missing `initdb`, `openssl`, `nkeys`, promtool, PostgreSQL
-or shared data set is a failure. The few skips that are no missing prerequisite are
+sets every switch, so in CI a missing `initdb`, `openssl`, `nkeys`, promtool, kubectl,
+PostgreSQL or shared data set is a failure. The few skips that are no missing prerequisite are
 listed here with why.
 """
 
@@ -22,9 +22,6 @@ NOT_A_PREREQUISITE = {
     "support/prereq.py": "the one place that skips on a missing prerequisite",
     "unit/test_moe_step_bench.py": "skips where torch IS installed: tests/vllm runs it there",
     "unit/test_supervision.py": "the parent-death signal exists on Linux only (a platform)",
-    "unit/test_deploy_kustomize.py": "kubectl is optional: the offline renderer is tested "
-    "without it; with it the two are compared (Debian has no kubectl of the version the "
-    "manifests are written for, so CI cannot require one)",
 }
 """Files whose skips are not a missing install step, and why."""
 

@@ -15,8 +15,8 @@ import pytest
 import yaml
 from starlark_go import Starlark
 
-from eldr.deploy.kustomize import render_yaml
 from eldr.dev.stack import SERVICES
+from support.kustomize import render_yaml, require_kubectl
 
 REPO = Path(__file__).resolve().parents[2]
 TILTFILE = REPO / "Tiltfile"
@@ -110,6 +110,7 @@ def tilt() -> Tilt:
 
 @pytest.fixture(scope="module")
 def tilt_k8s() -> Tilt:
+    require_kubectl()  # Tilt's kustomize() runs it, and so does the stub's
     return evaluate(Tilt(env={"ELDR_TILT_MODE": "k8s"}, context="kind-eldr"))
 
 

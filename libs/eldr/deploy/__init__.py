@@ -1,1 +1,1 @@
-"""Deployment: rendering the manifests (kustomize subset) and the `eldr deploy` CLI."""
+"""Deployment: the `eldr deploy` CLI (NATS auth configuration, overlays rendered by kubectl)."""

@@ -11,16 +11,17 @@ values-auth.yaml). Passwords are never written: the server reads each from an en
 variable (`NATS_PW_<USER>`) filled from the user's Secret (`nats-<user>`, keys `user` and
 `password`). The file's header records the command, so it can be made again.
 
-`render` prints the manifests of a kustomize overlay with the small subset of kustomize that
-deploy/k8s uses (`eldr.deploy.kustomize`), for machines without kubectl; `kubectl kustomize`
-gives the same objects.
+`render` prints the manifests of a kustomize overlay as `kubectl kustomize` renders them
+(kubectl ships kustomize; found on PATH).
 
-Both need PyYAML (a development dependency).
+`nats-auth` needs PyYAML (a development dependency).
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -84,12 +85,39 @@ def _cmd_nats_auth(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_render(args: argparse.Namespace) -> int:
-    from eldr.deploy.kustomize import KustomizeError, render_yaml
+class KustomizeError(RuntimeError):
+    """kubectl is missing, or `kubectl kustomize` refused the overlay."""
 
+
+KUSTOMIZE_TIMEOUT_S = 120.0
+
+
+def kustomize(overlay: Path) -> str:
+    """The manifests of `overlay` as `kubectl kustomize` renders them (YAML documents)."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        raise KustomizeError("kubectl not found on PATH (`kubectl kustomize` renders overlays)")
     try:
-        text = render_yaml(args.overlay)
-    except (KustomizeError, OSError) as exc:
+        done = subprocess.run(
+            [kubectl, "kustomize", str(overlay)],
+            capture_output=True,
+            text=True,
+            timeout=KUSTOMIZE_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise KustomizeError(f"kubectl kustomize {overlay}: {exc}") from exc
+    if done.returncode != 0:
+        # kubectl's error is its last line (klog prefixes it with a timestamp and source)
+        lines = done.stderr.strip().splitlines() or [f"exit status {done.returncode}"]
+        raise KustomizeError(f"kubectl kustomize {overlay}: {lines[-1]}")
+    return done.stdout
+
+
+def _cmd_render(args: argparse.Namespace) -> int:
+    try:
+        text = kustomize(args.overlay)
+    except KustomizeError as exc:
         print(f"eldr deploy render: {exc}", file=sys.stderr)
         return 2
     _write(text, args.out)
