@@ -24,7 +24,7 @@ from eldr.vllm.pd import openai_error
 JSON = "application/json"
 GUARDED_PREFIX = "/v1"
 """Paths that need a key when keys are configured (vLLM guards /v1 as well; /health,
-/version, /tokenize and the gateway's own /metrics, /healthz, /readyz stay open)."""
+/version and /tokenize stay open)."""
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

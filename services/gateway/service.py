@@ -22,9 +22,10 @@ For each `/v1/completions` or `/v1/chat/completions` request:
    candidate: the decision's band, then its scores, then any other configured decoder.
 
 Client errors get OpenAI-style error bodies (`{"error": {...}}`) with the upstream's
-status, or 400 / 502 / 503 / 504 from the gateway itself. `/healthz` answers while the
-process runs; `/readyz` once the bus is connected and at least one prefill and one decode
-instance answer their `/health`; `/metrics` is Prometheus.
+status, or 400 / 502 / 503 / 504 from the gateway itself. vLLM's `/health` is 200 while the
+gateway can serve. `/healthz`, `/readyz` and `/metrics` are every service's (`eldr.runtime`,
+on `ELDR_METRICS_PORT`): ready once the bus is connected and at least one prefill and one
+decode instance answer their `/health` (the `upstreams` check).
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from eldr.bus import BusError, Delivery, build_topology
 from eldr.bus.topology import DECISIONS, IDENTITY
@@ -777,21 +777,11 @@ class Gateway:
         return error_response(503, f"no upstream instance answered {path}")
 
     async def health_endpoint(self, _: web.Request) -> web.Response:
-        """vLLM's /health: 200 (empty) while the gateway can serve (a healthy prefill and a
-        healthy decode instance, the bus connected), else 503."""
+        """vLLM's /health on the OpenAI port, for clients that probe a vLLM server: 200
+        (empty) while the runtime's /readyz would be 200 (a healthy prefill and a healthy
+        decode instance, the bus connected), else 503."""
         ok, _detail = self.ctx.readiness()
         return web.Response(status=200 if ok else 503)
-
-    async def healthz(self, _: web.Request) -> web.Response:
-        return web.json_response({"service": NAME, "instance": self.settings.instance_id})
-
-    async def readyz(self, _: web.Request) -> web.Response:
-        ok, detail = self.ctx.readiness()
-        return web.json_response({"ready": ok, **detail}, status=200 if ok else 503)
-
-    async def metrics_endpoint(self, _: web.Request) -> web.Response:
-        body = generate_latest(self.ctx.registry)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     # --- upstream health ------------------------------------------------------------------
 
@@ -869,9 +859,6 @@ def build_app(gateway: Gateway) -> web.Application:
     app.router.add_post("/tokenize", gateway.tokenize)
     app.router.add_post("/detokenize", gateway.detokenize)
     app.router.add_get("/health", gateway.health_endpoint)
-    app.router.add_get("/healthz", gateway.healthz)
-    app.router.add_get("/readyz", gateway.readyz)
-    app.router.add_get("/metrics", gateway.metrics_endpoint)
     return app
 
 
@@ -906,6 +893,13 @@ async def setup(ctx: ServiceContext[GatewaySettings]) -> None:
     ctx.stack.push_async_callback(runner.cleanup)
     ctx.on_stopping(gateway.drain)
     ctx.set_ready()
+    if not s.metrics_port:
+        log.warning(
+            "gateway %s: ELDR_METRICS_PORT is 0, so no /healthz, /readyz or /metrics "
+            "(vLLM's /health is on port %d)",
+            s.instance_id,
+            s.gateway_port,
+        )
     log.info(
         "gateway %s on port %d: prefill %s, decode %s, signature source %s",
         s.instance_id,

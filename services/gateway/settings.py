@@ -22,7 +22,8 @@ class GatewaySettings(CommonSettings, BlockHashSettings):
         default=8000,
         ge=0,
         le=65535,
-        description="Port of the OpenAI API (and /healthz, /readyz, /metrics); 0 picks a free one.",
+        description="Port of the OpenAI API (and vLLM's /health; /healthz, /readyz and "
+        "/metrics are on metrics_port, as for every service); 0 picks a free one.",
     )
     gateway_prefill: str = Field(
         default="prefill-0=http://127.0.0.1:8100",

@@ -189,19 +189,25 @@ async def test_without_a_decision_the_least_loaded_decoder_serves(stack: Stack) 
             stack.url + "/v1/completions", json={"prompt": "p"}, headers={"X-Request-Id": "nd"}
         )
         assert resp.status == 200
-        metrics = await (await http.get(stack.url + "/metrics")).text()
+        metrics = await (await http.get(stack.metrics_url + "/metrics")).text()
     assert 'eldr_gateway_decisions_total{source="fallback"} 1.0' in metrics
     assert await decision_of(stack.bus, rid_of(resp)) is None
 
 
 async def test_models_health_and_readiness(stack: Stack) -> None:
+    """vLLM's /health on the OpenAI port; the runtime's /healthz and /readyz (with the
+    gateway's upstreams check) on the metrics port, and only there."""
     async with aiohttp.ClientSession() as http:
         models = await http.get(stack.url + "/v1/models")
         assert (await models.json())["data"][0]["id"] == "m"
-        assert (await http.get(stack.url + "/healthz")).status == 200
-        ready = await http.get(stack.url + "/readyz")
+        assert (await http.get(stack.url + "/health")).status == 200
+        healthz = await http.get(stack.metrics_url + "/healthz")
+        assert await healthz.json() == {"service": "gateway", "instance": "gw0"}
+        ready = await http.get(stack.metrics_url + "/readyz")
         assert ready.status == 200
         assert (await ready.json())["upstreams"] is True
+        for path in ("/healthz", "/readyz", "/metrics"):
+            assert (await http.get(stack.url + path)).status == 404, path
 
 
 async def test_every_request_ends_in_exactly_one_finish_event(
@@ -289,7 +295,7 @@ async def test_a_prefill_whose_capture_failed_is_routed_load_only_at_once(
             stack.url + "/v1/completions", json={"prompt": "p"}, headers={"X-Request-Id": "nc"}
         )
         assert resp.status == 200
-        metrics = await (await http.get(stack.url + "/metrics")).text()
+        metrics = await (await http.get(stack.metrics_url + "/metrics")).text()
     # The decision timeout is 2 s: the fallback did not wait for it.
     assert time.monotonic() - started < 1.5
     decision = await decision_of(stack.bus, rid_of(resp))
@@ -326,7 +332,7 @@ async def test_a_prefill_that_never_reports_capture_is_routed_load_only(stack: S
             stack.url + "/v1/completions", json={"prompt": "p"}, headers={"X-Request-Id": "ns"}
         )
         assert resp.status == 200
-        metrics = await (await http.get(stack.url + "/metrics")).text()
+        metrics = await (await http.get(stack.metrics_url + "/metrics")).text()
     assert time.monotonic() - started < 1.5
     decision = await decision_of(stack.bus, rid_of(resp))
     assert decision is not None

@@ -50,7 +50,7 @@ async def finishes(stack: Stack) -> Finishes:
 
 async def metric(stack: Stack, line: str) -> bool:
     async with aiohttp.ClientSession() as http:
-        text = await (await http.get(stack.url + "/metrics")).text()
+        text = await (await http.get(stack.metrics_url + "/metrics")).text()
     return line in text.splitlines()
 
 

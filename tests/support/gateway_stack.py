@@ -237,10 +237,19 @@ async def load_reports(bus: Bus, workers: list[str]) -> AsyncIterator[None]:
 
 
 class Stack:
-    """The stand-ins and the gateway's URL."""
+    """The stand-ins, the gateway's OpenAI URL and its metrics URL (/healthz, /readyz and
+    /metrics, served by the runtime)."""
 
-    def __init__(self, port: int, bus: Bus, prefill: StandInVllm, decoders: list[StandInVllm]):
+    def __init__(
+        self,
+        port: int,
+        metrics_port: int,
+        bus: Bus,
+        prefill: StandInVllm,
+        decoders: list[StandInVllm],
+    ):
         self.url = f"http://127.0.0.1:{port}"
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}"
         self.bus = bus
         self.prefill = prefill
         self.decoders = decoders
@@ -264,12 +273,14 @@ async def gateway_stack(
     for server in (prefill, *decoders):
         await server.start()
     base = bus_settings.model_dump() | retention.model_dump()
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     settings = GatewaySettings(
         **base,
         **{
             "gateway_host": "127.0.0.1",
             "gateway_port": port,
+            "metrics_host": "127.0.0.1",
+            "metrics_port": metrics_port,
             "gateway_prefill": f"prefill-0={prefill.url}",
             "gateway_decode": ",".join(f"{d.name}={d.url}" for d in decoders),
             "gateway_decision_timeout_s": 2.0,
@@ -285,7 +296,7 @@ async def gateway_stack(
             service("router", router, router_setup),
             service("gateway", settings, gateway_setup),
         ):
-            yield Stack(port, bus, prefill, decoders)
+            yield Stack(port, metrics_port, bus, prefill, decoders)
     finally:
         for server in (prefill, *decoders):
             await server.stop()

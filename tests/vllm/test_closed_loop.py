@@ -199,8 +199,9 @@ async def decisions_of(bus: Bus, namespace: str, ids: set[str]) -> dict[str, Dec
 
 async def test_the_loop_closes_on_real_decode_workers(engines: Engines, tmp_path: Path) -> None:
     run = uuid.uuid4().hex[:8]
-    gateway_port, router_port = free_port(), free_port()
+    gateway_port, gateway_metrics_port, router_port = free_port(), free_port(), free_port()
     gateway_url = f"http://127.0.0.1:{gateway_port}"
+    gateway_metrics_url = f"http://127.0.0.1:{gateway_metrics_port}"
     router_url = f"http://127.0.0.1:{router_port}"
     services: list[tuple[str, Any, Any]] = [
         ("signature", service_settings(engines, SignatureSettings), signature_setup),
@@ -251,6 +252,7 @@ async def test_the_loop_closes_on_real_decode_workers(engines: Engines, tmp_path
                 GatewaySettings,
                 gateway_host="127.0.0.1",
                 gateway_port=gateway_port,
+                metrics_port=gateway_metrics_port,
                 gateway_prefill=f"{PREFILL_ID}={engines.prefill.url}",
                 gateway_decode=",".join(f"{n}={engines.decoders[n].url}" for n in DECODE_IDS),
                 gateway_decision_timeout_s=1.0,
@@ -281,7 +283,7 @@ async def test_the_loop_closes_on_real_decode_workers(engines: Engines, tmp_path
         async with contextlib.AsyncExitStack() as stack:
             for name, settings, setup in services:
                 await stack.enter_async_context(running(name, settings, setup))
-            await wait_ready(gateway_url)
+            await wait_ready(gateway_metrics_url)
             sampler = asyncio.create_task(sample_activity(router_url, observed, stop_sampling))
             slots = asyncio.Semaphore(CONCURRENCY)
             async with aiohttp.ClientSession() as http:
@@ -313,7 +315,7 @@ async def test_the_loop_closes_on_real_decode_workers(engines: Engines, tmp_path
                 RefitReply,
                 timeout_s=120,
             )
-            gateway_metrics = await await_text(gateway_url + "/metrics")
+            gateway_metrics = await await_text(gateway_metrics_url + "/metrics")
         decisions = await decisions_of(bus, engines.namespace, {s.request_id for s in plan})
     finally:
         stop_sampling.set()

@@ -94,7 +94,7 @@ async def test_gateway_disaggregated_answers_equal_direct_vllm_and_are_all_decid
     engines: Engines,
 ) -> None:
     run = uuid.uuid4().hex[:8]
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     gateway_url = f"http://127.0.0.1:{port}"
     services = [
         ("signature", service_settings(engines, SignatureSettings), signature_setup),
@@ -128,6 +128,7 @@ async def test_gateway_disaggregated_answers_equal_direct_vllm_and_are_all_decid
                 GatewaySettings,
                 gateway_host="127.0.0.1",
                 gateway_port=port,
+                metrics_port=metrics_port,
                 gateway_prefill=f"{PREFILL_ID}={engines.prefill.url}",
                 gateway_decode=f"{DECODE_ID}={engines.decode.url}",
                 gateway_decision_timeout_s=30.0,
@@ -144,7 +145,7 @@ async def test_gateway_disaggregated_answers_equal_direct_vllm_and_are_all_decid
         running(*services[2]),
         running(*services[3]),
     ):
-        await wait_ready(gateway_url)
+        await wait_ready(f"http://127.0.0.1:{metrics_port}")  # the runtime's /readyz
         # All at once, all with one client X-Request-Id (issue 22's collision: it keyed
         # every record): each request still gets its own decision, on its own prompt.
         answers = await asyncio.gather(
