@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from eldr.bus.errors import BusError
-from eldr.vllm.capture import CaptureConfig, Geometry, unavailable_prefill_done
+from eldr.roles.prefill import unavailable_prefill_done
+from eldr.vllm.capture import CaptureConfig, Geometry
 from eldr.vllm.sources import LayerMap, ResponseSource
 from eldr.wire import CaptureStatus, Decision, RequestFinished
 from eldr.wire.messages import FinishReason
