@@ -43,19 +43,17 @@ from aiohttp import web
 
 from eldr.bus import BusError, Delivery, build_topology
 from eldr.bus.topology import DECISIONS, IDENTITY
+from eldr.roles.prefill import unavailable_prefill_done
+from eldr.roles.requester import DecisionWaiters, FinishTracker, InFlight
 from eldr.runtime import ServiceContext, service_main
 from eldr.vllm.capture import Geometry
 from eldr.vllm.gateway import (
     CaptureStates,
-    DecisionWaiters,
-    FinishTracker,
-    InFlight,
     SseRelay,
     UpstreamHealth,
     prompt_tokens_of,
     response_outcome,
     response_sources,
-    unavailable_prefill_done,
 )
 from eldr.vllm.moe_layers import moe_layer_ids, num_routed_experts, parse_layer_ids, text_config
 from eldr.vllm.pd import (
@@ -157,11 +155,16 @@ class Gateway:
         self.decisions.deliver(decision)
 
     async def read_decision(self, request_id: str) -> Decision | None:
-        """The decision recorded on the DECISIONS stream (when the inbox reply is late)."""
+        """The decision recorded on the DECISIONS stream (when the inbox reply is late);
+        None also when the stream cannot be read (the request falls back)."""
         bus = self.ctx.bus
-        return await bus.get_last(
-            self.decisions_stream, bus.subjects.decision(request_id), Decision
-        )
+        try:
+            return await bus.get_last(
+                self.decisions_stream, bus.subjects.decision(request_id), Decision
+            )
+        except BusError as exc:
+            log.warning("decision of %s: stream read failed: %s", request_id, exc)
+            return None
 
     # --- upstream calls -------------------------------------------------------------------
 
@@ -560,17 +563,17 @@ class Gateway:
                 await self._publish_from_response(prefill_response, prefill_name, finish, body)
             else:
                 await self._fall_back_if_uncaptured(prefill_name, prefill_response, finish, body)
-            decision: Decision | None
-            try:
-                decision, source = await self.decisions.wait(
-                    request_id,
-                    waiter,
-                    timeout_s=self.settings.gateway_decision_timeout_s,
-                    read_late=self.read_decision,
-                )
-                self.metrics.decisions.labels(source).inc()
-            except LookupError:
-                decision = None
+            decided = await self.decisions.wait(
+                request_id,
+                waiter,
+                timeout_s=self.settings.gateway_decision_timeout_s,
+                read_late=self.read_decision,
+            )
+            # An expired record names no worker: the same fallback as no decision.
+            decision = decided.decision if decided and decided.decision.assigned else None
+            if decided is not None and decision is not None:
+                self.metrics.decisions.labels(decided.source).inc()
+            else:
                 self.metrics.decisions.labels("fallback").inc()
                 log.warning(
                     "no decision for %s within %.3f s; least-loaded decoder instead",

@@ -8,12 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eldr.core.signature.blocks import sum_summaries, summarize_blocks
+from eldr.roles.prefill import LocalSummary
 from eldr.vllm.capture import (
     CaptureConfig,
     CaptureState,
     Geometry,
-    LocalSummaries,
-    LocalSummary,
     StepResult,
 )
 from eldr.vllm.plugin import base_request_id, vllm_version_supported
@@ -268,7 +267,7 @@ def test_a_prefix_hit_on_blocks_computed_here_carries_the_whole_signature() -> N
     s.add_request("e1", tokens, 0, 0.0, request_id="r1")
     (first,) = run_one_step(s, "e1", ids, 0).done
     assert (first.signature, first.cached_prefix_blocks) == (None, 0)  # nothing cached
-    assert len(s.local or ()) == 3
+    assert len(s.producer.local or ()) == 3
     hit_tokens, hit_ids = shared_prefix(15, 12, seed=5)
     s.add_request("e2", hit_tokens, 12, 0.0, request_id="r2")  # 3 cached blocks
     (done,) = run_one_step(s, "e2", hit_ids, 12).done
@@ -279,7 +278,7 @@ def test_a_prefix_hit_on_blocks_computed_here_carries_the_whole_signature() -> N
     np.testing.assert_array_equal(
         done.signature.to_dense(np.int32), whole_counts(hit_tokens, hit_ids)
     )
-    assert (s.local_hits, s.local_misses) == (1, 0)
+    assert (s.producer.local_hits, s.producer.local_misses) == (1, 0)
 
 
 def test_the_engines_step_leaves_the_store_to_the_publisher() -> None:
@@ -289,16 +288,16 @@ def test_the_engines_step_leaves_the_store_to_the_publisher() -> None:
     tokens, ids = prompt(14)
     s.add_request("e1", tokens, 0, 0.0, request_id="r1")
     result = run_one_step(s, "e1", ids, 0)
-    assert len(s.local or ()) == 0
+    assert len(s.producer.local or ()) == 0
     published(result)
-    assert len(s.local or ()) == 3
+    assert len(s.producer.local or ()) == 3
     hit_tokens, hit_ids = shared_prefix(15, 12, seed=5)
     s.add_request("e2", hit_tokens, 12, 0.0, request_id="r2")
     hit = run_one_step(s, "e2", hit_ids, 12)
-    assert (s.local_hits, s.local_misses) == (0, 0)
+    assert (s.producer.local_hits, s.producer.local_misses) == (0, 0)
     (done,) = hit.done
     assert done.signature is not None
-    assert (s.local_hits, s.local_misses) == (1, 0)
+    assert (s.producer.local_hits, s.producer.local_misses) == (1, 0)
 
 
 def test_a_hit_on_a_block_the_store_evicted_falls_back_to_the_service() -> None:
@@ -307,10 +306,10 @@ def test_a_hit_on_a_block_the_store_evicted_falls_back_to_the_service() -> None:
     tokens, ids = prompt(12)
     s.add_request("e1", tokens, 0, 0.0)
     published(run_one_step(s, "e1", ids, 0))
-    assert s.local is not None
-    assert len(s.local) == 2
-    assert s.local.evictions == 1
-    assert s.local.bytes_used <= 2 * entry
+    assert s.producer.local is not None
+    assert len(s.producer.local) == 2
+    assert s.producer.local.evictions == 1
+    assert s.producer.local.bytes_used <= 2 * entry
     hit_tokens, hit_ids = shared_prefix(14, 8, seed=3)
     s.add_request("e2", hit_tokens, 8, 0.0)  # blocks 0 (evicted) and 1 (held)
     (done,) = run_one_step(s, "e2", hit_ids, 8).done
@@ -319,7 +318,7 @@ def test_a_hit_on_a_block_the_store_evicted_falls_back_to_the_service() -> None:
     assert done.signature_source == "service"
     full = [b.counts for b in summarize_blocks(hit_tokens, hit_ids, 4, E)[0]]
     np.testing.assert_array_equal(signature(done, full), whole_counts(hit_tokens, hit_ids))
-    assert (s.local_hits, s.local_misses) == (0, 1)
+    assert (s.producer.local_hits, s.producer.local_misses) == (0, 1)
 
 
 def test_blocks_loaded_from_elsewhere_fall_back_even_when_some_are_held() -> None:
@@ -335,12 +334,12 @@ def test_blocks_loaded_from_elsewhere_fall_back_even_when_some_are_held() -> Non
     assert done.signature is None
     full = [b.counts for b in summarize_blocks(hit_tokens, hit_ids, 4, E)[0]]
     np.testing.assert_array_equal(signature(done, full), whole_counts(hit_tokens, hit_ids))
-    assert (s.local_hits, s.local_misses) == (0, 1)
+    assert (s.producer.local_hits, s.producer.local_misses) == (0, 1)
 
 
 def test_no_budget_no_store_every_hit_asks_the_service() -> None:
     s = state(local_summary_bytes=0)
-    assert s.local is None
+    assert s.producer.local is None
     tokens, ids = prompt(8)
     s.add_request("e1", tokens, 0, 0.0)
     published(run_one_step(s, "e1", ids, 0))
@@ -348,47 +347,7 @@ def test_no_budget_no_store_every_hit_asks_the_service() -> None:
     (done,) = run_one_step(s, "e2", ids, 4).done
     assert done.signature is None
     assert done.computed is not None
-    assert (s.local_hits, s.local_misses) == (0, 1)
-
-
-@pytest.mark.parametrize("form", ["sparse", "dense8", "dense16"])
-def test_a_local_summary_sums_exactly_in_every_form(form: str) -> None:
-    rng = np.random.default_rng(1)
-    counts = np.zeros((6, 40), np.uint16)
-    if form == "sparse":
-        counts[rng.integers(0, 6, 5), rng.integers(0, 40, 5)] = 7
-    else:
-        counts[:] = rng.integers(1, 250, counts.shape)
-        if form == "dense16":
-            counts[2, 3] = 4000
-    summary = LocalSummary.of(counts)
-    assert (summary.dense is None) == (form == "sparse")
-    if summary.dense is not None:
-        assert summary.dense.dtype == (np.uint16 if form == "dense16" else np.uint8)
-    total = np.full(counts.size, 3, np.uint32)
-    summary.add_to(total)
-    np.testing.assert_array_equal(total, counts.reshape(-1).astype(np.uint32) + 3)
-
-
-def test_the_store_is_a_byte_bounded_lru_whose_lookup_is_all_or_nothing() -> None:
-    one = np.ones((L, E), np.uint16)
-    size = LocalSummary.of(one).nbytes
-    store = LocalSummaries(3 * size)
-    for h in (1, 2, 3):
-        store.put(h, one * h)
-    assert store.lookup([1]) is not None  # 1 is now the most recent
-    store.put(4, one)  # evicts 2, the least recently used
-    assert 2 not in store
-    assert all(h in store for h in (1, 3, 4))
-    assert store.lookup([1, 2]) is None
-    assert store.lookup([]) == []
-    store.put(5, one)  # the failed lookup refreshed nothing: 3 goes
-    assert 3 not in store
-    assert store.bytes_used == 3 * size
-    got = store.lookup([4, 1])
-    assert got is not None
-    assert len(got) == 2
-    assert store.evictions == 2
+    assert (s.producer.local_hits, s.producer.local_misses) == (0, 1)
 
 
 @pytest.mark.parametrize(

@@ -3,25 +3,19 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
 
-from eldr.bus import BusError
 from eldr.vllm.capture import Geometry
 from eldr.vllm.gateway import (
     CaptureStates,
-    DecisionWaiters,
-    FinishTracker,
-    InFlight,
     SseRelay,
     StreamTally,
     UpstreamHealth,
     prompt_tokens_of,
     response_outcome,
     response_sources,
-    unavailable_prefill_done,
 )
 from eldr.vllm.pd import (
     DECODE_WORKER_HEADER,
@@ -32,92 +26,12 @@ from eldr.vllm.pd import (
     request_outcome,
     response_headers,
 )
-from eldr.wire import CaptureStatus, Decision, PrefillDone, decode, encode
+from eldr.wire import CaptureStatus, Decision
 from support import messages
 
 
 def decision(request_id: str = "r", worker: str = "d1") -> Decision:
     return messages.decision(request_id, worker, ts_s=0.0, policy="eldr", partition_version=1)
-
-
-async def never(_: str) -> Decision | None:
-    raise AssertionError("the stream must not be read")
-
-
-async def nothing(_: str) -> Decision | None:
-    return None
-
-
-# --- decisions ---------------------------------------------------------------------------
-
-
-async def test_a_decision_from_the_inbox_is_returned_as_such() -> None:
-    waiters = DecisionWaiters()
-    with waiters.expecting("r") as waiter:
-        waiters.deliver(decision("r", "d2"))
-        got, source = await waiters.wait("r", waiter, timeout_s=1.0, read_late=never)
-    assert (got.worker_id, source) == ("d2", "inbox")
-
-
-async def test_a_late_decision_is_read_from_the_stream() -> None:
-    waiters = DecisionWaiters()
-    asked: list[str] = []
-
-    async def from_stream(request_id: str) -> Decision | None:
-        asked.append(request_id)
-        return decision(request_id, "d3")
-
-    with waiters.expecting("r") as waiter:
-        got, source = await waiters.wait("r", waiter, timeout_s=0.01, read_late=from_stream)
-    assert (got.worker_id, source, asked) == ("d3", "stream", ["r"])
-
-
-async def test_no_decision_anywhere_is_a_lookup_error() -> None:
-    waiters = DecisionWaiters()
-    with waiters.expecting("r") as waiter, pytest.raises(LookupError, match="no decision for r"):
-        await waiters.wait("r", waiter, timeout_s=0.01, read_late=nothing)
-
-
-async def test_a_failed_stream_read_counts_as_no_decision() -> None:
-    waiters = DecisionWaiters()
-
-    async def broken(_: str) -> Decision | None:
-        raise BusError("down")
-
-    with waiters.expecting("r") as waiter, pytest.raises(LookupError):
-        await waiters.wait("r", waiter, timeout_s=0.01, read_late=broken)
-
-
-async def test_decisions_nobody_waits_for_are_dropped() -> None:
-    waiters = DecisionWaiters()
-    with waiters.expecting("r") as waiter:
-        waiters.deliver(decision("other"))
-        assert not waiter.done()
-    assert len(waiters) == 0
-    waiters.deliver(decision("r"))  # after the request finished: no error
-    assert not waiter.done()
-
-
-# --- in flight ---------------------------------------------------------------------------
-
-
-async def test_draining_refuses_new_requests_and_waits_for_those_in_flight() -> None:
-    requests = InFlight()
-    assert requests.enter()
-    drained = asyncio.create_task(requests.drain(grace_s=10.0))
-    await asyncio.sleep(0)  # let the drain start
-    assert not requests.enter()
-    assert not drained.done()
-    requests.leave()
-    await asyncio.wait_for(drained, 1.0)
-    assert requests.count == 0
-
-
-async def test_draining_gives_up_after_the_grace_period() -> None:
-    requests = InFlight()
-    requests.enter()
-    await asyncio.wait_for(requests.drain(grace_s=0.01), 1.0)
-    assert requests.count == 1
 
 
 # --- request shaping ---------------------------------------------------------------------
@@ -206,26 +120,7 @@ def test_capture_states_wait_through_the_grace_period_then_name_the_problem() ->
     assert states.last("elsewhere") is None
 
 
-def test_the_load_only_prefill_done_carries_no_signature() -> None:
-    event = unavailable_prefill_done(
-        request_id="r",
-        model="m",
-        prefill_worker="p0",
-        n_prompt_tokens=40,
-        reply_to="_INBOX.x",
-        max_tokens=5,
-        block_size=16,
-        geometry=None,
-        problem="capture_off",
-        wall_s=1.0,
-    )
-    assert (event.capture, event.block_hashes, event.computed, event.partial) == (
-        "unavailable",
-        [],
-        None,
-        None,
-    )
-    assert decode(encode(event), PrefillDone) == event
+def test_the_prompt_tokens_come_from_the_usage() -> None:
     assert prompt_tokens_of({"usage": {"prompt_tokens": 40}}) == 40
     assert prompt_tokens_of({"usage": None}) == 0
 
@@ -263,17 +158,6 @@ def test_whole_responses_give_their_reason_and_tokens() -> None:
     assert response_outcome(json.dumps(body).encode()) == ("stop", 4)
     assert response_outcome(b'{"choices": [{"finish_reason": "length"}]}') == ("length", None)
     assert response_outcome(b"not json") == ("stop", None)
-
-
-def test_a_finish_tracker_makes_one_final_event_after_any_moves() -> None:
-    tracker = FinishTracker("r", "gw", lambda: 5.0)
-    move = tracker.moved("d0", "d1")
-    assert (move.reason, move.worker_id, move.moved_to) == ("moved", "d0", "d1")
-    final = tracker.finished("d1", "stop", output_tokens=3, decode_s=-1.0)
-    assert final is not None
-    assert (final.reason, final.worker_id, final.decode_s) == ("stop", "d1", 0.0)
-    assert tracker.finished("d1", "error") is None
-    assert tracker.final is final
 
 
 def test_an_sse_relay_passes_whole_events_and_holds_back_a_broken_one() -> None:

@@ -1,6 +1,11 @@
 """Trace replayer: a simulated prefill worker plus gateway, driving the pipeline over NATS.
 
-For each request it does what a prefill worker and the gateway in front of it would do:
+For each request it does what a prefill worker and the gateway in front of it would do, with
+the same role code: the prefill producer (`eldr.roles.prefill.PrefillProducer`: batches,
+local summary store, PrefillDone) and the requester (`eldr.roles.requester`: decision
+waiters, finish events). Its own are the stand-ins for the engine (a trace's recorded
+routing; the set of blocks published so far as the prefix cache) and the hand-off of each
+job to a simulated decode worker:
 
 1. Cut the prompt into KV blocks (`eldr.core.signature.blocks.summarize_blocks`, with the
    trace's own token ids or deterministic stand-ins) and publish a `BlockSummaryBatch` on
@@ -13,6 +18,7 @@ For each request it does what a prefill worker and the gateway in front of it wo
    as the capture plugin does, the whole prompt's `signature` when it holds its own
    summary of every cached block (`local_signatures`), else the counts of what it
    computed (`computed`), leaving the cached blocks to the signature service.
+   (`send_computed` off: no counts at all, every block from the signature service.)
 3. Wait for the router's `Decision` on that inbox (after `decision_timeout_s`, read it from
    the DECISIONS stream instead: the router may have decided while the reply was lost).
 4. Send a `DecodeJob` to the chosen simulated decode worker (`{ns}.sim.decode.{worker}`),
@@ -39,7 +45,6 @@ import logging
 import math
 import time
 import uuid
-from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -50,20 +55,16 @@ from eldr.bus import stream_name as make_stream_name
 from eldr.bus.topology import DECISIONS
 from eldr.core.signature.blocks import DEFAULT_BLOCK_SIZE, summarize_blocks, trace_token_ids
 from eldr.core.workload.trace import EXPERT_ID_DTYPE, TraceSet
+from eldr.roles.prefill import LocalSummaries, PendingBlock, PrefillProducer
+from eldr.roles.requester import DecisionWaiters, FinishTracker, InFlight
 from eldr.wire import (
-    BlockSummaryBatch,
-    BlockSummaryMsg,
     Decision,
     DecodeJob,
     DecodeJobAck,
     DecodeJobDone,
     NdArray,
-    PrefillDone,
-    RequestFinished,
-    SparseCounts,
     WireError,
 )
-from eldr.wire.base import MAX_BLOCKS_PER_BATCH
 from eldr.wire.messages import FinishReason, SignatureSource
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ class ReplayConfig:
     `local_signatures` is off too)."""
     local_signatures: bool = True
     """Keep a summary of every block published (as the capture plugin keeps one of every
-    block its instance computed, `eldr.vllm.capture.LocalSummaries`): a request whose
+    block its instance computed, `eldr.roles.prefill.LocalSummaries`): a request whose
     cached blocks are all held carries the whole `signature` and routers ask the signature
     service nothing. False: prefix-cache hits always go to the service (before v4)."""
     local_summary_blocks: int | None = None
@@ -206,10 +207,7 @@ class _Prepared:
     """A trace cut into blocks, encoded once for every replay of it."""
 
     label: str
-    blocks: list[BlockSummaryMsg]
-    partial: SparseCounts | None
-    block_counts: list[np.ndarray]
-    """Dense [L, E] counts of each full block (to sum what a request computed itself)."""
+    blocks: list[PendingBlock]
     partial_counts: np.ndarray | None
     n_prompt_tokens: int
     decode_ids: NdArray
@@ -219,8 +217,6 @@ class _Prepared:
 @dataclass
 class _RunState:
     records: list[RequestRecord] = field(default_factory=list)
-    waiters: dict[str, asyncio.Future[tuple[Decision, float]]] = field(default_factory=dict)
-    """request id -> future of (its decision, monotonic arrival time)."""
 
 
 class TraceReplayer:
@@ -239,18 +235,31 @@ class TraceReplayer:
         self.inbox = bus.new_inbox()
         self.done_inbox = bus.new_inbox()
         """Where simulated decode workers say a job's decode ended (`DecodeJobDone`)."""
-        self._decoding: dict[str, tuple[str, float]] = {}
-        """request id -> (worker, monotonic time its job was sent), until it is done."""
-        self._all_decoded = asyncio.Event()
+        self._decoding: dict[str, tuple[FinishTracker, str, float]] = {}
+        """request id -> (its finish events, worker, monotonic time its job was sent),
+        until it is done."""
+        self._in_decode = InFlight()
+        """How many of `_decoding` there are (`wait_decoded` waits for none)."""
         self.finished_published = 0
         self.records: list[RequestRecord] = []
         """The last run's per-request records."""
         self._prepared: dict[int, _Prepared] = {}
         self._published: dict[int, asyncio.Future[None] | None] = {}
-        """Block hash -> None once published, or the future of its publication in flight."""
-        self._local: OrderedDict[int, None] = OrderedDict()
-        """The blocks whose summary the simulated prefill worker holds itself, least
-        recently used first (only with `local_summary_blocks`; else every published one)."""
+        """Block hash -> None once published, or the future of its publication in flight:
+        the simulated prefix cache."""
+        c, geometry = self.config, traces.geometry
+        keep_local = c.send_computed and c.local_signatures and c.local_summary_blocks != 0
+        self.producer = PrefillProducer(
+            c.prefill_worker,
+            c.model,
+            c.block_size,
+            geometry.num_moe_layers,
+            geometry.num_experts,
+            LocalSummaries(max_blocks=c.local_summary_blocks) if keep_local else None,
+        )
+        """The simulated prefill worker's producer role: batch numbers, and its own summary
+        of every block it published (of the last `local_summary_blocks`)."""
+        self._waiters = DecisionWaiters(clock=time.monotonic)
         self._decided: dict[str, str] = {}
         """request id -> worker of its first Decision on the inbox (duplicate detection);
         this run's ids, and the previous run's in `_decided_before` (memory stays bounded
@@ -258,7 +267,6 @@ class TraceReplayer:
         self._decided_before: dict[str, str] = {}
         self._duplicates = 0
         self._conflicting = 0
-        self._batch_seq = 0
         self._block_batches = 0
         self._subscription: Subscription | None = None
         self._done_subscription: Subscription | None = None
@@ -282,16 +290,13 @@ class TraceReplayer:
     async def wait_decoded(self, timeout_s: float) -> int:
         """Wait (up to `timeout_s`) until every job sent has said its decode ended, so its
         finish event is published before the replayer closes; returns how many did not."""
-        if self._decoding:
-            self._all_decoded.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._all_decoded.wait(), timeout_s)
+        await self._in_decode.wait_idle(timeout_s)
         return len(self._decoding)
 
-    def _forget(self, request_id: str) -> tuple[str, float] | None:
+    def _forget(self, request_id: str) -> tuple[FinishTracker, str, float] | None:
         sent = self._decoding.pop(request_id, None)
-        if not self._decoding:
-            self._all_decoded.set()
+        if sent is not None:
+            self._in_decode.leave()
         return sent
 
     async def close(self) -> None:
@@ -352,20 +357,13 @@ class TraceReplayer:
             key=self.config.block_hash_key,
         )
         blocks = [
-            BlockSummaryMsg(
-                block_hash=int(b.block_hash),  # full blocks always have a hash
-                parent_hash=b.parent_hash,
-                n_tokens=b.n_tokens,
-                counts=SparseCounts.from_dense(b.counts),
-            )
+            PendingBlock(int(b.block_hash), b.parent_hash, b.n_tokens, b.counts)
             for b in full
-            if b.block_hash is not None
+            if b.block_hash is not None  # full blocks always have a hash
         ]
         prepared = _Prepared(
             label=trace.label,
             blocks=blocks,
-            partial=SparseCounts.from_dense(partial.counts) if partial is not None else None,
-            block_counts=[b.counts for b in full if b.block_hash is not None],
             partial_counts=partial.counts if partial is not None else None,
             n_prompt_tokens=trace.prompt_tokens,
             decode_ids=NdArray.from_numpy(np.ascontiguousarray(trace.decode, EXPERT_ID_DTYPE)),
@@ -428,7 +426,7 @@ class TraceReplayer:
                 lag_s=max(0.0, time.monotonic() - started - float(offsets[n])),
             )
             state.records.append(record)
-            task = asyncio.create_task(self._one(record, state))
+            task = asyncio.create_task(self._one(record))
             task.add_done_callback(lambda _: slots.release())
             tasks.append(task)
         if tasks:
@@ -448,35 +446,36 @@ class TraceReplayer:
         self._next_request += 1
         return f"{prefix}-{self._next_request:06d}"
 
-    async def _one(self, record: RequestRecord, state: _RunState) -> None:
+    async def _one(self, record: RequestRecord) -> None:
+        finish = FinishTracker(record.request_id, self.config.prefill_worker, time.time)
         try:
             prepared = self.prepare(record.trace_index)
             record.blocks_published = await self._publish_blocks(prepared)
-            decision = await self._prefill_done(record, prepared, state)
+            decision = await self._prefill_done(record, prepared)
             if decision is None:
-                await self._finished(record.request_id, None, "error")
+                await self._finished(finish, None, "error")
                 return
             record.worker_id = decision.worker_id
             record.policy = decision.policy
             record.router_decide_s = decision.decide_s
             record.fallback = decision.fallback
             if self.config.send_jobs:
-                record.job_accepted = await self._send_job(record, prepared, decision)
+                record.job_accepted = await self._send_job(record, prepared, decision, finish)
                 if not record.job_accepted:
-                    await self._finished(record.request_id, decision.worker_id, "error")
+                    await self._finished(finish, decision.worker_id, "error")
         except (BusError, WireError) as exc:
             record.error = f"{type(exc).__name__}: {exc}"
             log.warning("replay %s: %s", record.request_id, record.error)
             self._forget(record.request_id)
-            await self._finished(record.request_id, record.worker_id, "error")
+            await self._finished(finish, record.worker_id, "error")
 
     async def _on_job_done(self, done: DecodeJobDone, _: Delivery) -> None:
         sent = self._forget(done.request_id)
         if sent is None:
             return  # not ours, or reported twice
-        worker, sent_s = sent
+        finish, worker, sent_s = sent
         await self._finished(
-            done.request_id,
+            finish,
             worker,
             done.reason,
             output_tokens=done.output_tokens,
@@ -485,35 +484,30 @@ class TraceReplayer:
 
     async def _finished(
         self,
-        request_id: str,
+        finish: FinishTracker,
         worker: str | None,
         reason: FinishReason,
         *,
         output_tokens: int | None = None,
         decode_s: float | None = None,
     ) -> None:
-        """Publish the request's RequestFinished, as the gateway would (never raises)."""
+        """Publish the request's RequestFinished, as the gateway would (once; never
+        raises)."""
         if not self.config.publish_finished:
             return
-        event = RequestFinished(
-            request_id=request_id,
-            gateway_id=self.config.prefill_worker,
-            ts_s=time.time(),
-            reason=reason,
-            worker_id=worker,
-            output_tokens=output_tokens,
-            decode_s=decode_s,
-        )
+        event = finish.finished(worker, reason, output_tokens=output_tokens, decode_s=decode_s)
+        if event is None:
+            return
         try:
             await self.bus.publish(self.bus.subjects.finished(self.config.prefill_worker), event)
             self.finished_published += 1
         except BusError as exc:
-            log.warning("replay %s: finish event not published: %s", request_id, exc)
+            log.warning("replay %s: finish event not published: %s", finish.request_id, exc)
 
     async def _publish_blocks(self, prepared: _Prepared) -> int:
         """Publish the blocks not published before; wait for those another request is
         publishing right now (a prefix-cache hit needs the block computed first)."""
-        mine: list[BlockSummaryMsg] = []
+        mine: list[PendingBlock] = []
         theirs: list[asyncio.Future[None]] = []
         loop = asyncio.get_running_loop()
         for block in prepared.blocks:
@@ -525,8 +519,11 @@ class TraceReplayer:
             self._published[block.block_hash] = loop.create_future()
             mine.append(block)
         try:
-            for lo in range(0, len(mine), MAX_BLOCKS_PER_BATCH):
-                await self._publish_batch(mine[lo : lo + MAX_BLOCKS_PER_BATCH])
+            first_seq = self.producer.reserve(len(mine))
+            subject = self.bus.subjects.blocks(self.config.prefill_worker)
+            for batch in self.producer.batches(first_seq, time.time(), mine):
+                await self.bus.js_publish(subject, batch)
+                self._block_batches += 1
         except BaseException:
             for block in mine:  # not published: a later request may try again
                 future = self._published.pop(block.block_hash, None)
@@ -538,95 +535,41 @@ class TraceReplayer:
             self._published[block.block_hash] = None
             if future is not None and not future.done():
                 future.set_result(None)
-            self._hold_locally(block.block_hash)
         if theirs:
             await asyncio.gather(*theirs)
         return len(mine)
 
-    async def _publish_batch(self, blocks: list[BlockSummaryMsg]) -> None:
-        geometry = self.traces.geometry
-        seq = self._batch_seq
-        self._batch_seq += 1
-        batch = BlockSummaryBatch(
-            worker_id=self.config.prefill_worker,
-            seq=seq,
-            ts_s=time.time(),
-            model=self.config.model,
-            num_moe_layers=geometry.num_moe_layers,
-            num_experts=geometry.num_experts,
-            block_size=self.config.block_size,
-            blocks=blocks,
-        )
-        await self.bus.js_publish(self.bus.subjects.blocks(self.config.prefill_worker), batch)
-        self._block_batches += 1
-
-    def _hold_locally(self, block_hash: int) -> None:
-        limit = self.config.local_summary_blocks
-        if limit is None or not self.config.local_signatures:
-            return  # every published block is held: `_published` is the store
-        self._local[block_hash] = None
-        self._local.move_to_end(block_hash)
-        while len(self._local) > limit:
-            self._local.popitem(last=False)
-
-    def _held_locally(self, block_hashes: list[int]) -> bool:
-        """Whether the simulated prefill worker holds its own summary of every one of
-        `block_hashes` (cached blocks, so published: they are held unless evicted);
-        refreshes them when it does."""
-        if not self.config.local_signatures:
-            return False
-        if self.config.local_summary_blocks is None:
-            return True
-        if not all(h in self._local for h in block_hashes):
-            return False
-        for h in block_hashes:
-            self._local.move_to_end(h)
-        return True
-
-    async def _prefill_done(
-        self, record: RequestRecord, prepared: _Prepared, state: _RunState
-    ) -> Decision | None:
+    async def _prefill_done(self, record: RequestRecord, prepared: _Prepared) -> Decision | None:
+        """Publish the request's PrefillDone (the producer role's: the whole signature when
+        its store holds every cached block) and wait for its decision (the requester
+        role's: the inbox, then the DECISIONS stream)."""
         geometry = self.traces.geometry
         cached = len(prepared.blocks) - record.blocks_published
-        computed: SparseCounts | None = None
-        signature: SparseCounts | None = None
+        computed: np.ndarray | None = None
         if self.config.send_computed:
-            local = cached > 0 and self._held_locally(
-                [b.block_hash for b in prepared.blocks[:cached]]
-            )
-            total = np.zeros((geometry.num_moe_layers, geometry.num_experts), dtype=np.uint32)
-            for counts in prepared.block_counts[0 if local else cached :]:
-                total += counts
+            computed = np.zeros((geometry.num_moe_layers, geometry.num_experts), dtype=np.uint32)
+            for block in prepared.blocks[cached:]:
+                computed += block.counts
             if prepared.partial_counts is not None:
-                total += prepared.partial_counts
-            if local:
-                signature = SparseCounts.from_dense(total)
-            else:
-                computed = SparseCounts.from_dense(total)
-        event = PrefillDone(
-            request_id=record.request_id,
-            model=self.config.model,
-            prefill_worker=self.config.prefill_worker,
-            ts_s=time.time(),
-            block_size=self.config.block_size,
-            block_hashes=[b.block_hash for b in prepared.blocks],
-            n_prompt_tokens=prepared.n_prompt_tokens,
-            partial=prepared.partial,
-            num_moe_layers=geometry.num_moe_layers,
-            num_experts=geometry.num_experts,
-            reply_to=self.inbox,
-            max_tokens=prepared.decode_tokens,
-            attrs={"label": prepared.label[:1024]},
-            cached_prefix_blocks=cached,
-            computed=computed,
-            signature=signature,
-            # It stops waiting after decision_timeout_s (and one read of the stream).
-            deadline_s=time.time() + self.config.decision_timeout_s,
+                computed += prepared.partial_counts
+        event = self.producer.done(
+            self.producer.pending_done(
+                request_id=record.request_id,
+                wall_s=time.time(),
+                block_hashes=[b.block_hash for b in prepared.blocks],
+                n_prompt_tokens=prepared.n_prompt_tokens,
+                cached_blocks=cached,
+                computed=computed,
+                partial=prepared.partial_counts,
+                reply_to=self.inbox,
+                max_tokens=prepared.decode_tokens,
+                attrs={"label": prepared.label[:1024]},
+                # It stops waiting after decision_timeout_s (and one read of the stream).
+                decision_budget_s=self.config.decision_timeout_s,
+            )
         )
         record.signature_source = event.signature_source
-        waiter: asyncio.Future[tuple[Decision, float]] = asyncio.get_running_loop().create_future()
-        state.waiters[record.request_id] = waiter
-        try:
+        with self._waiters.expecting(record.request_id) as waiter:
             published_at = time.monotonic()
             await self.bus.js_publish(
                 self.bus.subjects.prefill_done(self.config.prefill_worker),
@@ -634,27 +577,31 @@ class TraceReplayer:
                 msg_id=record.request_id,
             )
             record.sent = True
-            with contextlib.suppress(TimeoutError):
-                decision, arrived_at = await asyncio.wait_for(
-                    waiter, timeout=self.config.decision_timeout_s
-                )
-                record.decision_latency_s = arrived_at - published_at
-                return _assigned(record, decision)
-        finally:
-            state.waiters.pop(record.request_id, None)
-        late = await self.bus.get_last(
-            make_stream_name(self.bus.settings.namespace, DECISIONS),
-            self.bus.subjects.decision(record.request_id),
-            Decision,
-        )
-        if late is None:
+            decided = await self._waiters.wait(
+                record.request_id,
+                waiter,
+                timeout_s=self.config.decision_timeout_s,
+                read_late=self._read_decision,
+            )
+        if decided is None:
             record.error = f"no decision within {self.config.decision_timeout_s:g} s"
             return None
-        record.recovered = True
-        return _assigned(record, late)
+        if decided.source == "inbox":
+            assert decided.arrived_s is not None  # the waiters have a clock
+            record.decision_latency_s = decided.arrived_s - published_at
+        else:
+            record.recovered = True
+        return _assigned(record, decided.decision)
+
+    async def _read_decision(self, request_id: str) -> Decision | None:
+        """The decision recorded on the DECISIONS stream (the inbox reply was late)."""
+        return await self.bus.get_last(
+            make_stream_name(self.bus.settings.namespace, DECISIONS),
+            self.bus.subjects.decision(request_id),
+            Decision,
+        )
 
     async def _on_decision(self, decision: Decision, _: Delivery) -> None:
-        arrived = time.monotonic()
         first = self._decided.get(decision.request_id) or self._decided_before.get(
             decision.request_id
         )
@@ -670,12 +617,14 @@ class TraceReplayer:
                 )
             return
         self._decided[decision.request_id] = decision.worker_id
-        waiter = self._state.waiters.get(decision.request_id)
-        if waiter is not None and not waiter.done():
-            waiter.set_result((decision, arrived))
+        self._waiters.deliver(decision)
 
     async def _send_job(
-        self, record: RequestRecord, prepared: _Prepared, decision: Decision
+        self,
+        record: RequestRecord,
+        prepared: _Prepared,
+        decision: Decision,
+        finish: FinishTracker,
     ) -> bool:
         job = DecodeJob(
             request_id=record.request_id,
@@ -686,8 +635,9 @@ class TraceReplayer:
             label=prepared.label[:256],
             done_to=self.done_inbox if self.config.publish_finished else None,
         )
-        if self.config.publish_finished:
-            self._decoding[record.request_id] = (decision.worker_id, time.monotonic())
+        if self.config.publish_finished and record.request_id not in self._decoding:
+            self._decoding[record.request_id] = (finish, decision.worker_id, time.monotonic())
+            self._in_decode.enter()
             while len(self._decoding) > MAX_DECODING_TRACKED:
                 self._forget(next(iter(self._decoding)))
         subject = self.bus.subjects.sim_decode(decision.worker_id)

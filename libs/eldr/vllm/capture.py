@@ -34,22 +34,35 @@ here, `segment_counts`), and `fold` (the counts into blocks and events, in step 
 is deferred to whoever reads `StepResult.batches` / `StepResult.done` first: the
 publisher's thread.
 
+What is published once a step's blocks and prompts are known (the numbered batches, the
+local summary store, the PrefillDone with or without the whole signature) is the prefill
+producer's role, `eldr.roles.prefill.PrefillProducer` (`CaptureState.producer`), which the
+simulated prefill worker plays too; this module works out from the engine's rows what each
+step computed.
+
 Pure: numpy, `eldr.core` and `eldr.wire` only; times come in as arguments.
 """
 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from eldr.core.signature.blockcache import ENTRY_OVERHEAD_BYTES
 from eldr.core.signature.blocks import COUNT_DTYPE, hash_chain
-from eldr.wire import BlockSummaryBatch, BlockSummaryMsg, PrefillDone, SparseCounts
-from eldr.wire.base import MAX_ATTRS, MAX_BLOCKS_PER_BATCH, MAX_ID_LEN
+from eldr.roles.prefill import (
+    DEFAULT_LOCAL_SUMMARY_BYTES,
+    LocalSummaries,
+    PendingBlock,
+    PendingDone,
+    PrefillProducer,
+    client_label,
+    unavailable_prefill_done,
+)
+from eldr.wire import BlockSummaryBatch, PrefillDone
+from eldr.wire.base import MAX_ATTRS, MAX_ID_LEN
 
 EXPERT_ROW_DTYPE = np.int16
 UNSET = -1
@@ -71,18 +84,6 @@ class Geometry:
             raise ValueError(f"{self.num_experts} experts do not fit int16 expert ids")
 
 
-DEFAULT_LOCAL_SUMMARY_BYTES = 64 << 20
-"""64 MiB: well under 1% of KV memory. A block's summary is one byte per (MoE layer,
-expert) cell, or 6 bytes per non-zero cell when that is smaller, plus
-`ENTRY_OVERHEAD_BYTES`. Qwen3-30B-A3B (48 MoE layers x 128 experts, top-8; 4 KV heads of
-128, bf16: 96 KiB of KV per token): 6,144 + 160 bytes per 16-token block of 1.5 MiB KV,
-0.4%; 64 MiB holds 10,600 blocks (170k tokens, 15.6 GiB of KV). Llama 4 Maverick (24 MoE
-layers x 128 experts, top-1; 48 layers of 8 KV heads: 192 KiB per token): at most 384
-non-zero cells, 2.5 KB per 3 MiB block, 0.08%; 64 MiB holds 27,000 blocks (80 GiB of KV).
-A KV cache larger than that: raise the budget (0.4% of the KV cache covers it all); a
-prefix hit on a block the store evicted falls back to the signature service."""
-
-
 @dataclass(frozen=True)
 class CaptureConfig:
     worker_id: str
@@ -102,93 +103,6 @@ class CaptureConfig:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.local_summary_bytes < 0:
             raise ValueError(f"local_summary_bytes must be >= 0, got {self.local_summary_bytes}")
-
-
-@dataclass(frozen=True, slots=True)
-class LocalSummary:
-    """One block's counts over the flat [L * E] cells: `dense` (uint8, or uint16 when a
-    count exceeds 255), or `idx` (uint32) and `val` (uint16) when that is smaller."""
-
-    nbytes: int
-    dense: np.ndarray | None = None
-    idx: np.ndarray | None = None
-    val: np.ndarray | None = None
-
-    @classmethod
-    def of(cls, counts: np.ndarray) -> LocalSummary:
-        flat = counts.reshape(-1)
-        nnz = int(np.count_nonzero(flat))
-        wide = nnz > 0 and int(flat.max()) > 255
-        dense_nbytes = flat.size * (2 if wide else 1)
-        if 6 * nnz < dense_nbytes:
-            idx = np.flatnonzero(flat).astype(np.uint32)
-            val = flat[idx].astype(np.uint16)
-            return cls(6 * nnz + ENTRY_OVERHEAD_BYTES, idx=idx, val=val)
-        dense = flat.astype(np.uint16 if wide else np.uint8)
-        return cls(dense_nbytes + ENTRY_OVERHEAD_BYTES, dense=dense)
-
-    def add_to(self, total: np.ndarray) -> None:
-        """Add the counts into `total` (uint32, flat [L * E])."""
-        if self.dense is not None:
-            total += self.dense
-        elif self.idx is not None and self.idx.size:
-            total[self.idx] += self.val  # unique indices: fancy-index += is exact
-
-
-class LocalSummaries:
-    """The summaries of the full blocks this instance computed, by block hash: a
-    byte-bounded LRU, the prefill side's copy of the signature cache for the blocks its
-    own KV cache holds (`DEFAULT_LOCAL_SUMMARY_BYTES` says what it costs).
-
-    A block's summary depends only on its tokens (through the chained hash: on its whole
-    prefix), so the one kept here is the one this instance published. Not thread-safe:
-    the publisher's thread alone uses it (`StepResult`), which keeps its cost (about 3-10
-    us a block to compact) off the engine's thread.
-    """
-
-    def __init__(self, max_bytes: int) -> None:
-        if max_bytes <= 0:
-            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
-        self.max_bytes = max_bytes
-        self._entries: OrderedDict[int, LocalSummary] = OrderedDict()
-        self.bytes_used = 0
-        self.evictions = 0
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __contains__(self, block_hash: int) -> bool:
-        return block_hash in self._entries
-
-    def put(self, block_hash: int, counts: np.ndarray) -> None:
-        """Keep `counts` ([L, E]) of a block computed here; a block held already is only
-        refreshed (its summary is the same)."""
-        if block_hash in self._entries:
-            self._entries.move_to_end(block_hash)
-            return
-        entry = LocalSummary.of(counts)
-        if entry.nbytes > self.max_bytes:
-            return
-        while self.bytes_used + entry.nbytes > self.max_bytes:
-            _, evicted = self._entries.popitem(last=False)
-            self.bytes_used -= evicted.nbytes
-            self.evictions += 1
-        self._entries[block_hash] = entry
-        self.bytes_used += entry.nbytes
-
-    def lookup(self, block_hashes: Sequence[int]) -> list[LocalSummary] | None:
-        """The summaries of all of `block_hashes` (each refreshed as most recently used),
-        or None, touching nothing, when any one is not held."""
-        entries = self._entries
-        found: list[LocalSummary] = []
-        for h in block_hashes:
-            entry = entries.get(h)
-            if entry is None:
-                return None
-            found.append(entry)
-        for h in block_hashes:
-            entries.move_to_end(h)
-        return found
 
 
 @dataclass
@@ -369,83 +283,26 @@ def invalid_counts_reason(counts: np.ndarray, geometry: Geometry) -> str | None:
     )
 
 
-@dataclass(frozen=True)
-class PendingBlock:
-    """A full block's summary, not yet in wire form."""
-
-    block_hash: int
-    parent_hash: int | None
-    n_tokens: int
-    counts: np.ndarray
-    """uint16 [L, E]."""
-
-    def message(self) -> BlockSummaryMsg:
-        return BlockSummaryMsg(
-            block_hash=self.block_hash,
-            parent_hash=self.parent_hash,
-            n_tokens=self.n_tokens,
-            counts=SparseCounts.from_dense(self.counts),
-        )
-
-
-@dataclass(frozen=True)
-class PendingDone:
-    """A PrefillDone, not yet in wire form (see `CaptureState._prefill_done`)."""
-
-    fields: dict[str, object]
-    computed: np.ndarray
-    partial: np.ndarray | None
-    cached_hashes: list[int] = field(default_factory=list)
-    """The block hashes of its prefix-cache hits (the leading `cached_prefix_blocks`)."""
-
-    def message(self, local: LocalSummaries | None) -> tuple[PrefillDone, bool | None]:
-        """The event, and whether `local` held a summary of every cached block (then it
-        carries `signature`, their sum plus `computed`, instead of `computed`); None when
-        nothing was cached."""
-        partial = None if self.partial is None else SparseCounts.from_dense(self.partial)
-        cached = None
-        if self.cached_hashes and local is not None:
-            cached = local.lookup(self.cached_hashes)
-        if cached is None:
-            event = PrefillDone(
-                **self.fields,  # type: ignore[arg-type]
-                computed=SparseCounts.from_dense(self.computed),
-                partial=partial,
-            )
-            return event, (False if self.cached_hashes else None)
-        total = self.computed.astype(np.uint32).reshape(-1)  # a copy
-        for summary in cached:
-            summary.add_to(total)
-        event = PrefillDone(
-            **self.fields,  # type: ignore[arg-type]
-            signature=SparseCounts.from_dense(total.reshape(self.computed.shape)),
-            partial=partial,
-        )
-        return event, True
-
-
 class StepResult:
     """What one engine step produced: block batches first, then prefill-done events.
 
     Holds dense counts; the wire messages are built on first access of `batches` or
     `done` (by the publisher's thread, off the engine's), and so is every use of the
-    capture's local summary store: `batches` keeps this step's blocks in it, `done` (which
+    producer's local summary store: `batches` keeps this step's blocks in it, `done` (which
     builds `batches` first) looks up the cached blocks of this step's prefills. The
     publisher takes the steps in order, so a prefix hit finds every block an earlier step
     computed (and published), and the engine's thread does no more than before."""
 
     def __init__(
         self,
-        config: CaptureConfig,
+        producer: PrefillProducer,
         first_seq: int,
         wall_s: float,
         blocks: list[PendingBlock],
         done: list[PendingDone],
         completed: list[RequestCapture],
-        owner: CaptureState | None = None,
     ) -> None:
-        self._owner = owner
-        self._config = config
+        self._producer = producer
         self._first_seq = first_seq
         self._wall_s = wall_s
         self._blocks = blocks
@@ -458,47 +315,17 @@ class StepResult:
     def __bool__(self) -> bool:
         return bool(self._blocks or self._done)
 
-    @staticmethod
-    def batch_count(n_blocks: int) -> int:
-        return -(-n_blocks // MAX_BLOCKS_PER_BATCH)
-
     @property
     def batches(self) -> list[BlockSummaryBatch]:
         if self._batches is None:
-            c, g = self._config, self._config.geometry
-            messages = [b.message() for b in self._blocks]
-            self._batches = [
-                BlockSummaryBatch(
-                    worker_id=c.worker_id,
-                    seq=self._first_seq + n,
-                    ts_s=self._wall_s,
-                    model=c.model,
-                    num_moe_layers=g.num_moe_layers,
-                    num_experts=g.num_experts,
-                    block_size=c.block_size,
-                    blocks=messages[lo : lo + MAX_BLOCKS_PER_BATCH],
-                )
-                for n, lo in enumerate(range(0, len(messages), MAX_BLOCKS_PER_BATCH))
-            ]
-            local = None if self._owner is None else self._owner.local
-            if local is not None:
-                for block in self._blocks:
-                    local.put(block.block_hash, block.counts)
+            self._batches = self._producer.batches(self._first_seq, self._wall_s, self._blocks)
         return self._batches
 
     @property
     def done(self) -> list[PrefillDone]:
         if self._done_messages is None:
             self.batches  # noqa: B018 -- this step's blocks go into the store first
-            owner = self._owner
-            local = None if owner is None else owner.local
-            messages = []
-            for pending in self._done:
-                event, held = pending.message(local)
-                if owner is not None and held is not None:
-                    owner.note_local(held)
-                messages.append(event)
-            self._done_messages = messages
+            self._done_messages = [self._producer.done(pending) for pending in self._done]
         return self._done_messages
 
 
@@ -525,66 +352,6 @@ def invalid_rows_reason(
     return None
 
 
-def unavailable_prefill_done(
-    *,
-    request_id: str,
-    model: str,
-    prefill_worker: str,
-    n_prompt_tokens: int,
-    reply_to: str | None,
-    max_tokens: int | None,
-    block_size: int,
-    geometry: tuple[int, int] | None,
-    problem: str,
-    wall_s: float,
-    decision_budget_s: float | None = None,
-    client_request_id: str | None = None,
-) -> PrefillDone:
-    """A PrefillDone for a prompt whose routing could not be captured: no block hashes,
-    no counts, `capture = "unavailable"`, so a router decides load-only at once (recorded
-    and counted like any decision) instead of the requester waiting for one that cannot
-    come. `geometry` (MoE layers, experts), if known, is informational: nothing reads it
-    without counts. Published by the capture plugin for a request it cannot capture, and
-    by the gateway for a prefill instance whose plugin says it cannot (or says nothing).
-    With `decision_budget_s` the event's deadline is `wall_s` plus it."""
-    layers, experts = geometry or (1, 1)
-    return PrefillDone(
-        request_id=request_id[:MAX_ID_LEN],
-        model=model[:MAX_ID_LEN] or "unknown",
-        prefill_worker=prefill_worker,
-        ts_s=wall_s,
-        block_size=block_size,
-        block_hashes=[],
-        n_prompt_tokens=n_prompt_tokens,
-        partial=None,
-        num_moe_layers=layers,
-        num_experts=experts,
-        reply_to=reply_to,
-        max_tokens=max_tokens,
-        attrs={"eldr_capture": problem[:64]},
-        capture="unavailable",
-        deadline_s=deadline_of(wall_s, decision_budget_s),
-        client_request_id=_label(client_request_id),
-    )
-
-
-def _label(client_request_id: str | None) -> str | None:
-    """A client's request id as a record's label (bounded; None for none or empty)."""
-    return client_request_id[:MAX_ID_LEN] if client_request_id else None
-
-
-MAX_DECISION_BUDGET_S = 3600.0
-"""Longest decision budget an event may carry (a budget from `vllm_xargs` is clamped)."""
-
-
-def deadline_of(wall_s: float, decision_budget_s: float | None) -> float | None:
-    """The deadline of an event published at `wall_s` whose requester waits
-    `decision_budget_s` for the decision (clamped to [0, MAX_DECISION_BUDGET_S])."""
-    if decision_budget_s is None:
-        return None
-    return wall_s + min(max(float(decision_budget_s), 0.0), MAX_DECISION_BUDGET_S)
-
-
 def _cached_blocks(num_computed_tokens: int, n_prompt: int, block_size: int) -> int:
     n_full = n_prompt // block_size
     return min(math.ceil(max(num_computed_tokens, 0) / block_size), n_full)
@@ -601,26 +368,20 @@ class CaptureState:
         self.requests: dict[str, RequestCapture] = {}
         self.keep_rows = False
         """Keep every computed row on its request (`RequestCapture.rows`: the debug dump)."""
-        self.batch_seq = 0
         self.inexact = 0
         """Requests whose computed counts could not be made exact (see `add_request`)."""
-        budget = config.local_summary_bytes
-        self.local: LocalSummaries | None = LocalSummaries(budget) if budget else None
-        """This instance's own block summaries (None: the budget is 0). Used by the
-        publisher's thread only (`StepResult`)."""
-        self.local_hits = 0
-        """Prefills with a prefix-cache hit whose every cached block this instance held a
-        summary of: their event carried the whole `signature`."""
-        self.local_misses = 0
-        """Prefills with a prefix-cache hit on a block it held no summary of (computed
-        elsewhere, or evicted): the signature service supplies the cached blocks.
-        (Both counted when the event is built, on the publisher's thread.)"""
-
-    def note_local(self, held: bool) -> None:
-        if held:
-            self.local_hits += 1
-        else:
-            self.local_misses += 1
+        g, budget = config.geometry, config.local_summary_bytes
+        self.producer = PrefillProducer(
+            config.worker_id,
+            config.model,
+            config.block_size,
+            g.num_moe_layers,
+            g.num_experts,
+            LocalSummaries(budget) if budget else None,
+        )
+        """What this instance publishes: its batch numbers (on the engine's thread, `fold`)
+        and its own block summaries (None: the budget is 0; used by the publisher's
+        thread only, `StepResult`), with its local hits and misses."""
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -668,7 +429,7 @@ class CaptureState:
             reply_to=reply_to,
             max_tokens=max_tokens,
             decision_budget_s=decision_budget_s,
-            client_request_id=_label(client_request_id),
+            client_request_id=client_label(client_request_id),
             attrs=dict(list(capture_attrs.items())[:MAX_ATTRS]),
             block_size=bs,
             geometry=self.config.geometry,
@@ -835,33 +596,24 @@ class CaptureState:
                 )
             )
         done = [self._prefill_done(capture, now_s, wall_s) for capture in plan.done]
-        first_seq = self.batch_seq
-        self.batch_seq += StepResult.batch_count(len(pending))
-        return StepResult(
-            self.config, first_seq, wall_s, pending, done, list(plan.done), owner=self
-        )
+        first_seq = self.producer.reserve(len(pending))
+        return StepResult(self.producer, first_seq, wall_s, pending, done, list(plan.done))
 
     def _prefill_done(self, capture: RequestCapture, now_s: float, wall_s: float) -> PendingDone:
-        c, g = self.config, self.config.geometry
         tail, whole_tail = capture.tail_counts()
-        partial = tail if capture.n_prompt % c.block_size and whole_tail else None
-        fields: dict[str, object] = {
-            "request_id": capture.request_id,
-            "model": c.model,
-            "prefill_worker": c.worker_id,
-            "ts_s": wall_s,
-            "block_size": c.block_size,
-            "block_hashes": capture.block_hashes,
-            "n_prompt_tokens": capture.n_prompt,
-            "num_moe_layers": g.num_moe_layers,
-            "num_experts": g.num_experts,
-            "reply_to": capture.reply_to,
-            "prefill_s": max(0.0, now_s - capture.start_s),
-            "max_tokens": capture.max_tokens,
-            "attrs": capture.attrs,
-            "cached_prefix_blocks": capture.cached_blocks,
-            "deadline_s": deadline_of(wall_s, capture.decision_budget_s),
-            "client_request_id": capture.client_request_id,
-        }
-        cached = capture.block_hashes[: capture.cached_blocks]
-        return PendingDone(fields, capture.computed_total + tail, partial, cached)
+        partial = tail if capture.n_prompt % self.config.block_size and whole_tail else None
+        return self.producer.pending_done(
+            request_id=capture.request_id,
+            wall_s=wall_s,
+            block_hashes=capture.block_hashes,
+            n_prompt_tokens=capture.n_prompt,
+            cached_blocks=capture.cached_blocks,
+            computed=capture.computed_total + tail,
+            partial=partial,
+            reply_to=capture.reply_to,
+            max_tokens=capture.max_tokens,
+            attrs=capture.attrs,
+            prefill_s=max(0.0, now_s - capture.start_s),
+            decision_budget_s=capture.decision_budget_s,
+            client_request_id=capture.client_request_id,
+        )

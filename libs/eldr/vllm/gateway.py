@@ -1,129 +1,36 @@
 """The gateway's bookkeeping that is neither HTTP nor bus wiring (used by
 `eldr_services.gateway`).
 
-- `DecisionWaiters`: the routing decisions requests in flight wait for, delivered from the
-  gateway's decision inbox, with the DECISIONS stream as the second source when the reply
-  does not come in time;
-- `InFlight`: client requests being served, refused once draining starts, and the wait
-  for the last one to finish;
 - `response_sources`: one `ResponseSource` per prefill instance, when the gateway
   publishes the prefill's routing itself (the routed_experts source);
 - `CaptureStates`: what each prefill instance's capture plugin last said it can do, so that
   a request whose prefill cannot be captured is routed load-only at once
   (`unavailable_prefill_done`) instead of waiting for a decision that cannot come;
-- `FinishTracker`, `response_outcome`, `StreamTally`: the end of every decode response
-  (stop, length, client abort, upstream error, a move to another worker) as one
-  `RequestFinished` event per request, whether or not any capture runs;
+- `response_outcome`, `StreamTally`: how every decode response ended (stop, length, client
+  abort, upstream error), for its `RequestFinished` event (whether or not any capture
+  runs);
 - `SseRelay`: a decode stream passed on whole events at a time, so that a stream the
   upstream breaks off ends, for the client, on an event boundary followed by vLLM's error
   event;
 - `UpstreamHealth`: which vLLM instances answer, so that a dead one leaves the rotation
   (and says so once) instead of failing every request sent to it.
 
-The pure request shaping (bodies, candidate order, headers) is in `eldr.vllm.pd`.
+The pure request shaping (bodies, candidate order, headers) is in `eldr.vllm.pd`; the
+requester's role (decision waiters, in-flight count, finish events) is
+`eldr.roles.requester`, which the simulated gateway plays too.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
-import logging
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from eldr.bus.errors import BusError
-from eldr.vllm.capture import CaptureConfig, Geometry, unavailable_prefill_done
+from eldr.vllm.capture import CaptureConfig, Geometry
 from eldr.vllm.sources import LayerMap, ResponseSource
-from eldr.wire import CaptureStatus, Decision, RequestFinished
+from eldr.wire import CaptureStatus
 from eldr.wire.messages import FinishReason
-
-log = logging.getLogger(__name__)
-
-DecisionSource = Literal["inbox", "stream"]
-
-
-class DecisionWaiters:
-    """Per request id, the future its routing decision is delivered to."""
-
-    def __init__(self) -> None:
-        self._waiters: dict[str, asyncio.Future[Decision]] = {}
-
-    def __len__(self) -> int:
-        return len(self._waiters)
-
-    @contextlib.contextmanager
-    def expecting(self, request_id: str) -> Iterator[asyncio.Future[Decision]]:
-        """Wait for `request_id`'s decision while in the block (enter it before the
-        prefill is sent: the decision can come before its response)."""
-        waiter: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
-        self._waiters[request_id] = waiter
-        try:
-            yield waiter
-        finally:
-            self._waiters.pop(request_id, None)
-
-    def deliver(self, decision: Decision) -> None:
-        """A decision from the inbox; one nobody waits for (any more) is dropped."""
-        waiter = self._waiters.get(decision.request_id)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(decision)
-
-    async def wait(
-        self,
-        request_id: str,
-        waiter: asyncio.Future[Decision],
-        *,
-        timeout_s: float,
-        read_late: Callable[[str], Awaitable[Decision | None]],
-    ) -> tuple[Decision, DecisionSource]:
-        """The decision for `request_id` and where it came from: the inbox within
-        `timeout_s`, else `read_late` (the DECISIONS stream; the reply may have been
-        lost). Raises LookupError when there is none, or only an expired record (the
-        router took the event after its deadline and assigned no worker)."""
-        with contextlib.suppress(TimeoutError):
-            decision = await asyncio.wait_for(asyncio.shield(waiter), timeout=timeout_s)
-            if not decision.assigned:
-                raise LookupError(f"the decision of {request_id} expired")
-            return decision, "inbox"
-        try:
-            late = await read_late(request_id)
-        except BusError as exc:
-            log.warning("decision of %s: stream read failed: %s", request_id, exc)
-            late = None
-        if late is None or not late.assigned:
-            raise LookupError(f"no decision for {request_id}")
-        return late, "stream"
-
-
-class InFlight:
-    """Client requests being served; once `drain` starts, new ones are refused."""
-
-    def __init__(self) -> None:
-        self.accepting = True
-        self.count = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
-
-    def enter(self) -> bool:
-        """Count a request in (False while draining: refuse it)."""
-        if not self.accepting:
-            return False
-        self.count += 1
-        self._idle.clear()
-        return True
-
-    def leave(self) -> None:
-        self.count -= 1
-        if self.count == 0:
-            self._idle.set()
-
-    async def drain(self, grace_s: float) -> None:
-        """Refuse new requests and wait up to `grace_s` for those in flight."""
-        self.accepting = False
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), timeout=grace_s)
 
 
 def response_sources(
@@ -367,68 +274,12 @@ class UpstreamHealth:
         return True
 
 
-class FinishTracker:
-    """One request's finish events: any number of "moved", then exactly one final. Keyed
-    by the gateway's request id; the client's own id rides along as a label."""
-
-    def __init__(
-        self,
-        request_id: str,
-        gateway_id: str,
-        wall_clock: Callable[[], float],
-        client_request_id: str | None = None,
-    ):
-        self.request_id = request_id
-        self.gateway_id = gateway_id
-        self.client_request_id = client_request_id
-        self._wall = wall_clock
-        self.final: RequestFinished | None = None
-
-    def moved(self, worker_id: str, to_worker: str) -> RequestFinished:
-        return RequestFinished(
-            request_id=self.request_id,
-            gateway_id=self.gateway_id,
-            ts_s=self._wall(),
-            reason="moved",
-            worker_id=worker_id,
-            moved_to=to_worker,
-            client_request_id=self.client_request_id,
-        )
-
-    def finished(
-        self,
-        worker_id: str | None,
-        reason: FinishReason,
-        *,
-        output_tokens: int | None = None,
-        decode_s: float | None = None,
-    ) -> RequestFinished | None:
-        """The final event, or None if one was made already."""
-        if self.final is not None:
-            return None
-        self.final = RequestFinished(
-            request_id=self.request_id,
-            gateway_id=self.gateway_id,
-            ts_s=self._wall(),
-            reason=reason,
-            worker_id=worker_id,
-            output_tokens=output_tokens,
-            decode_s=None if decode_s is None else max(0.0, decode_s),
-            client_request_id=self.client_request_id,
-        )
-        return self.final
-
-
 __all__ = [
     "CaptureStates",
-    "DecisionWaiters",
-    "FinishTracker",
-    "InFlight",
     "SseRelay",
     "StreamTally",
     "UpstreamHealth",
     "prompt_tokens_of",
     "response_outcome",
     "response_sources",
-    "unavailable_prefill_done",
 ]

@@ -69,6 +69,7 @@ from typing import Any
 
 import numpy as np
 
+from eldr.roles.prefill import unavailable_prefill_done
 from eldr.vllm.capture import (
     CaptureConfig,
     CaptureState,
@@ -76,7 +77,6 @@ from eldr.vllm.capture import (
     RequestCapture,
     StepPlan,
     invalid_counts_reason,
-    unavailable_prefill_done,
 )
 from eldr.vllm.decode_profiles import DecodeProfiles
 from eldr.vllm.layout import LayoutError, RunnerGeneration, step_layout

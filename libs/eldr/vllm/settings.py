@@ -9,8 +9,8 @@ from typing import Literal
 
 from pydantic import Field
 
+from eldr.roles.prefill import DEFAULT_LOCAL_SUMMARY_BYTES
 from eldr.settings import BlockHashSettings, BusSettings
-from eldr.vllm.capture import DEFAULT_LOCAL_SUMMARY_BYTES
 
 
 def _default_worker_id() -> str:
@@ -88,7 +88,7 @@ class CaptureSettings(BusSettings, BlockHashSettings):
         "request's whole signature in its PrefillDone, and the router asks the signature "
         "service nothing; other hits (KV loaded from elsewhere, an evicted summary) are "
         "completed by the service. Default 64 MiB, a few tenths of a percent of the KV "
-        "memory it covers (eldr.vllm.capture.DEFAULT_LOCAL_SUMMARY_BYTES); 0: off.",
+        "memory it covers (eldr.roles.prefill.DEFAULT_LOCAL_SUMMARY_BYTES); 0: off.",
     )
     vllm_dump_dir: Path | None = Field(
         default=None,
