@@ -9,7 +9,7 @@ band, the loads seen, any fallback, what the policy computed).
 One assembly: `decide_view` builds the `FleetView`, picks the policy or its load-only
 fallback and calls `Policy.choose`; `route` adds what a router knows of the request (its
 partition scores, its predicted demand) and is what `RouterCore.decide` runs. The simulator,
-the trainer's shadow gate (`eldr.core.routing.online.shadow_assignment`), replay and explain
+the trainer's shadow gate (`eldr.core.training.online.shadow_assignment`), replay and explain
 decide through the same two functions. The profile says everything a decision depends on
 (the load measure, the band width the centroid index keeps exact, the demand model); no
 parameter travels beside it.
