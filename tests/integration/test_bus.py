@@ -1,5 +1,5 @@
 """The bus library against a real nats-server: topology, conditional publish, pull
-consumers (ack, retry, dead letters, drain), request/reply, replay, object store."""
+consumers (ack, retry, dead letters, drain), request/reply, read-back, object store."""
 
 from __future__ import annotations
 
@@ -230,7 +230,7 @@ async def test_consume_dead_letters_failures_after_max_deliver(
         letters.append(letter)
         dead.set()
 
-    await bus.replay(topology.stream_name(DLQ), bus.subjects.dlq(stream), DeadLetter, on_letter)
+    await bus.read_back(topology.stream_name(DLQ), bus.subjects.dlq(stream), DeadLetter, on_letter)
     await bus.consume(stream, ROUTER_CONSUMER, PrefillDone, failing, error_backoff_s=0.01)
     await bus.js_publish(bus.subjects.prefill_done("p0"), prefill_done("a"))
     await asyncio.wait_for(dead.wait(), WAIT_S)
@@ -252,7 +252,7 @@ async def test_consume_dead_letters_undecodable_and_continues(bus: Bus, topology
         letters.append(letter)
         dead.set()
 
-    await bus.replay(topology.stream_name(DLQ), bus.subjects.dlq(stream), DeadLetter, on_letter)
+    await bus.read_back(topology.stream_name(DLQ), bus.subjects.dlq(stream), DeadLetter, on_letter)
     await bus.consume(stream, ROUTER_CONSUMER, PrefillDone, handle)
     await bus.publish_raw(bus.subjects.prefill_done("p0"), b"\x93not a message")
     await bus.js_publish(bus.subjects.prefill_done("p0"), prefill_done("b"))
@@ -284,7 +284,7 @@ async def test_consume_refusals_are_dead_lettered_and_never_redelivered(
     async def on_letter(letter: DeadLetter, delivery: Delivery) -> None:
         letters.append(letter)
 
-    await bus.replay(topology.stream_name(DLQ), bus.subjects.dlq(stream), DeadLetter, on_letter)
+    await bus.read_back(topology.stream_name(DLQ), bus.subjects.dlq(stream), DeadLetter, on_letter)
     await bus.consume(
         stream, ROUTER_CONSUMER, PrefillDone, handle, identity="prefill_worker", batch=1
     )
@@ -460,7 +460,7 @@ async def test_replay_from_sequence(bus: Bus, topology: Topology) -> None:
     async def handle(batch: BlockSummaryBatch, delivery: Delivery) -> None:
         seen.append((batch.seq, delivery.stream_seq))
 
-    replay = await bus.replay(
+    reader = await bus.read_back(
         topology.stream_name(BLOCKS),
         bus.subjects.blocks_all,
         BlockSummaryBatch,
@@ -468,7 +468,7 @@ async def test_replay_from_sequence(bus: Bus, topology: Topology) -> None:
         start_seq=3,
         stop_at_end=True,
     )
-    await asyncio.wait_for(replay.finished.wait(), WAIT_S)
+    await asyncio.wait_for(reader.finished.wait(), WAIT_S)
     assert seen == [(2, 3), (3, 4), (4, 5)]
 
 
@@ -478,10 +478,10 @@ async def test_replay_of_an_empty_stream_is_caught_up_at_once(bus: Bus, topology
     async def handle(batch: BlockSummaryBatch, delivery: Delivery) -> None:  # pragma: no cover
         raise AssertionError("nothing to replay")
 
-    replay = await bus.replay(
+    reader = await bus.read_back(
         topology.stream_name(BLOCKS), bus.subjects.blocks_all, BlockSummaryBatch, handle
     )
-    assert replay.caught_up.is_set()
+    assert reader.caught_up.is_set()
 
 
 async def test_core_subscribe_delivers_typed_messages(bus: Bus) -> None:
