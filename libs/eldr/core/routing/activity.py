@@ -249,7 +249,7 @@ def expected_union(log_idle: np.ndarray) -> float:
     product per worker (`ActivityTable.miss_view`, from which the cost-aware policy reads
     U), the trainer's shadow gate models a worker's batch with it
     (`eldr.core.training.online.modelled_union`) and replay its recorded batches
-    (`eldr.replay.engine`).
+    (`eldr.replay.effect`).
     """
     return float(-np.sum(np.expm1(log_idle)))
 

@@ -36,7 +36,7 @@ their loads, the partition, the request, the policy and a generator). `RouterCor
 reads those inputs from the load table and draws a fresh 63-bit seed per decision for the
 generator (`DecisionRng`); the seed goes into the decision record, so a replay that feeds
 the recorded inputs to `route` re-creates every tie-break and random draw exactly, in
-whatever order the decisions are replayed (`eldr.replay.engine`).
+whatever order the decisions are replayed (`eldr.replay.reproduction`).
 """
 
 from __future__ import annotations
