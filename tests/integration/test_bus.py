@@ -7,6 +7,7 @@ import asyncio
 
 import numpy as np
 import pytest
+from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER
 from prometheus_client import CollectorRegistry
 
 from eldr.bus import (
@@ -37,6 +38,7 @@ from eldr.wire import (
     RefitRequest,
     SparseCounts,
     WireError,
+    encode,
 )
 from support import messages
 
@@ -324,6 +326,20 @@ async def test_a_refused_request_gets_error_code_403(bus: Bus) -> None:
         await bus.request(bus.subjects.trainer_refit, RefitRequest(reason="x"), RefitRequest)
     assert err.value.code == 403
     assert "inconsistent: no" in err.value.message
+
+
+async def test_an_error_answer_uses_the_nats_service_protocols_headers(bus: Bus) -> None:
+    """Any NATS service client (`nats.micro`, the `nats` CLI) reads the bus's error answers."""
+
+    async def refuse(request: RefitRequest) -> RefitRequest:
+        raise Reject("inconsistent", "no")
+
+    await bus.serve(bus.subjects.trainer_refit, None, RefitRequest, refuse)
+    answer = await bus._nc.request(bus.subjects.trainer_refit, encode(RefitRequest(reason="x")))
+    assert answer.data == b""
+    assert answer.headers is not None
+    assert answer.headers[ERROR_CODE_HEADER] == "403"
+    assert "inconsistent: no" in answer.headers[ERROR_HEADER]
 
 
 async def test_request_reply_round_trip(bus: Bus) -> None:

@@ -16,6 +16,7 @@ import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js import api
+from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER
 
 from eldr.bus.connection import Connection, translated
 from eldr.bus.errors import AlreadyExists, NotFoundError, RemoteError, Retry
@@ -27,10 +28,10 @@ M = TypeVar("M", bound=Message)
 R = TypeVar("R", bound=Message)
 
 
-ERROR_HEADER = "Eldr-Error"
-"""Header of an error answer from `serve`: a one-line description."""
-ERROR_CODE_HEADER = "Eldr-Error-Code"
-"""400: the request was invalid; 500: the handler failed."""
+LEGACY_ERROR_HEADERS = ("Eldr-Error", "Eldr-Error-Code")
+"""The (description, code) headers services answered errors with before they used the NATS
+service protocol's (`nats.micro`: `ERROR_HEADER`, `ERROR_CODE_HEADER`). Still read, so a
+client understands a service of the previous release during a rolling upgrade."""
 HEDGE_MIN_REMAINING_S = 0.001
 """A hedged request sends no copy with less time left than this (it could not be
 answered)."""
@@ -336,7 +337,14 @@ def is_no_responders(msg: Msg) -> bool:
 
 
 def raise_remote_error(msg: Msg) -> None:
-    if msg.headers and ERROR_HEADER in msg.headers:
-        code_text = msg.headers.get(ERROR_CODE_HEADER, "500")
-        code = int(code_text) if code_text.isdigit() else 500
-        raise RemoteError(code, msg.headers[ERROR_HEADER])
+    """Raise `RemoteError` if `msg` is an error answer: the NATS service protocol's headers
+    (`Nats-Service-Error`: a one-line description; `Nats-Service-Error-Code`: 400 the
+    request was invalid, 403 refused, 500 the handler failed), or the older ones."""
+    headers = msg.headers
+    if not headers:
+        return
+    for text_header, code_header in ((ERROR_HEADER, ERROR_CODE_HEADER), LEGACY_ERROR_HEADERS):
+        if text_header in headers:
+            code_text = headers.get(code_header, "500")
+            code = int(code_text) if code_text.isdigit() else 500
+            raise RemoteError(code, headers[text_header])

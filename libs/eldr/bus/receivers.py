@@ -14,8 +14,10 @@ Delivery contracts:
 - `read_back` (`ReadBack`, an ordered ephemeral consumer): every message of the filter from
   a start point, in stream order, then live ones; a failing handler is logged and skipped.
 - `serve` (`Service`, core request/reply): handlers run concurrently (bounded); invalid
-  requests are dead-lettered and answered with an error header; handler failures are
-  answered with an error header. `request` turns such answers into `RemoteError`.
+  requests are dead-lettered and answered with an error, handler failures are answered
+  with an error, both in the NATS service protocol's headers (`nats.micro`:
+  `Nats-Service-Error`, `Nats-Service-Error-Code`). `request` turns such answers into
+  `RemoteError`.
 - `subscribe` (`Subscription`, core): at-most-once, one message at a time in arrival order.
 
 Refusals: a handler that raises `Reject(reason)` refuses a well-formed message for what
@@ -47,11 +49,11 @@ import nats.js.errors
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription as NatsSubscription
 from nats.js import JetStreamContext, api
+from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER
 
 from eldr.bus.connection import Handle, translated
 from eldr.bus.deadletters import DeadLettering, one_line
 from eldr.bus.errors import Reject, Retry
-from eldr.bus.publishing import ERROR_CODE_HEADER, ERROR_HEADER
 from eldr.bus.transient import Backoff, pull_status_kind, transient_kind
 from eldr.wire import Message, WireError, decode, encode
 from eldr.wire.base import MAX_TEXT_LEN
@@ -63,7 +65,7 @@ R = TypeVar("R", bound=Message)
 T = TypeVar("T")
 
 REFUSED_CODE = "403"
-"""`Eldr-Error-Code` of a request a handler refused (`Reject`)."""
+"""Error code (`Nats-Service-Error-Code`) of a request a handler refused (`Reject`)."""
 PULL_BACKOFF_FIRST_S = 0.1
 PULL_BACKOFF_MAX_S = 1.0
 """A refused pull (503: no consumer leader; 409) pauses pulling 0.1 s doubling to 1 s
