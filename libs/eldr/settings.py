@@ -114,8 +114,9 @@ class BusSettings(BaseSettings):
     replay_heartbeat_s: float = Field(
         default=2.0,
         gt=0,
-        description="Idle heartbeat of ordered replays (`Bus.replay`): a replay whose consumer "
-        "was lost (a NATS restart) notices within two heartbeats and resumes where it was.",
+        description="Idle heartbeat of ordered read-backs (`Bus.read_back`): a read-back whose "
+        "consumer was lost (a NATS restart) notices within two heartbeats and resumes where it "
+        "was.",
     )
     max_payload_bytes: int = Field(
         default=1 << 20,

@@ -4,7 +4,7 @@ The activity table (which experts each worker's in-flight requests will activate
 default policy, `eldr_cost`, reads) and the load table's memory of finished requests are
 otherwise filled only by decisions made after the start: a restarted replica saw 3
 entries against 199 requests in flight, and decided as if every worker were idle for up to
-one decode lifetime (issue 23). So before `setup` starts consuming, `rebuild` replays:
+one decode lifetime (issue 23). So before `setup` starts consuming, `rebuild` reads back:
 
 1. FINISHED over the activity lifetime (`activity_ttl_s`): the requests that left their
    worker (and where "moved" ones went), kept as a set of ids, at most `max_requests`;
@@ -15,11 +15,11 @@ one decode lifetime (issue 23). So before `setup` starts consuming, `rebuild` re
    (`RouterCore.note_finished`), so a late echo of their decisions is not counted.
 
 The live subscriptions (decisions, finishes, profiles, load reports) run meanwhile and
-are idempotent with the replay. It is bounded: in time by `timeout_s` (the replica then
+are idempotent with the read-back. It is bounded: in time by `timeout_s` (the replica then
 starts with what it read and says so), in memory by `max_requests` finished ids plus the
 activity table's own bounds (`activity_max_entries`, per worker its in-flight count +
-`activity_slack` once it reports). Pending assignments are not replayed: a worker's next
-reports count what it admitted, and a replayed one could not be told admitted from not.
+`activity_slack` once it reports). Pending assignments are not read back: a worker's next
+reports count what it admitted, and one read back could not be told admitted from not.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 from prometheus_client import CollectorRegistry, Gauge
 
-from eldr.bus import Bus, BusError, Delivery, Replay, Topology
+from eldr.bus import Bus, BusError, Delivery, ReadBack, Topology
 from eldr.bus.topology import DECISIONS, FINISHED, IDENTITY
 from eldr.core.routing.decide import RouterCore
 from eldr.runtime import ServiceContext
@@ -121,15 +121,15 @@ class _Finishes:
             self.recent.append((msg.request_id, ts_s))
 
 
-async def _read_to_end(replay: Replay, deadline: float) -> bool:
-    """Wait until `replay` has read what its stream held when it started; False (and the
-    replay stopped) at `deadline` (monotonic s)."""
+async def _read_to_end(reader: ReadBack, deadline: float) -> bool:
+    """Wait until `reader` has read what its stream held when it started; False (and the
+    read-back stopped) at `deadline` (monotonic s)."""
     try:
-        await replay.wait_caught_up(timeout_s=max(0.0, deadline - time.monotonic()))
+        await reader.wait_caught_up(timeout_s=max(0.0, deadline - time.monotonic()))
     except TimeoutError:
-        await replay.stop()
+        await reader.stop()
         return False
-    await replay.finished.wait()
+    await reader.finished.wait()
     return True
 
 
@@ -185,7 +185,7 @@ async def rebuild(
 
     complete = False
     try:
-        replay = await bus.replay(
+        reader = await bus.read_back(
             finished_stream,
             bus.subjects.finished_all,
             RequestFinished,
@@ -195,8 +195,8 @@ async def rebuild(
             on_undecodable=lambda _: None,  # the live subscription dead-letters them
             identity=IDENTITY[RequestFinished],
         )
-        if await _read_to_end(replay, deadline):
-            replay = await bus.replay(
+        if await _read_to_end(reader, deadline):
+            reader = await bus.read_back(
                 decisions_stream,
                 bus.subjects.decisions_all,
                 DecisionAssignment,
@@ -205,7 +205,7 @@ async def rebuild(
                 stop_at_end=True,
                 on_undecodable=lambda _: None,
             )
-            complete = await _read_to_end(replay, deadline)
+            complete = await _read_to_end(reader, deadline)
     except BusError as exc:
         result.error = str(exc)
     for rid, ts_s in finishes.recent:

@@ -672,13 +672,13 @@ async def setup(ctx: ServiceContext[RouterSettings]) -> None:
     )
     ctx.spawn("partition-loader", svc.partition_loader)
     ctx.every("expire", svc.expire_period_s, svc.expire, until="stop")
-    replay = await bus.replay(
+    reader = await bus.read_back(
         topo.stream_name(PARTITIONS),
         subjects.partition_active,
         PartitionAnnouncement,
         svc.on_announcement,
     )
-    await replay.wait_caught_up(timeout_s=30)
+    await reader.wait_caught_up(timeout_s=30)
     # What is in flight, before the first event: a restarted replica decides like the
     # others (issue 23).
     await rebuild_at_start(ctx, svc.core, topo)

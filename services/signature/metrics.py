@@ -8,7 +8,7 @@ from collections.abc import Iterable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from eldr.bus import Replay
+from eldr.bus import ReadBack
 from eldr.bus.metrics import LATENCY_BUCKETS_S
 from eldr.signature.state import Outcome, RejectReason, SignatureState
 from eldr.wire import BlockSummaryBatch
@@ -95,9 +95,11 @@ class SignatureMetrics:
 class StateCollector:
     """Cache size and counters read from the state at scrape time."""
 
-    def __init__(self, state: SignatureState, replay: Replay[BlockSummaryBatch] | None) -> None:
+    def __init__(
+        self, state: SignatureState, read_back: ReadBack[BlockSummaryBatch] | None
+    ) -> None:
         self._state = state
-        self.replay = replay
+        self.read_back = read_back
 
     def describe(self) -> Iterable[Metric]:
         return list(self._metrics())
@@ -144,14 +146,14 @@ class StateCollector:
             "Assemblies waiting now for blocks in flight.",
             value=len(state.waiters),
         )
-        replay = self.replay
+        reader = self.read_back
         yield GaugeMetricFamily(
             "eldr_signature_replay_stream_seq",
             "Last BLOCKS stream sequence this replica has read.",
-            value=replay.last_stream_seq if replay is not None else 0,
+            value=reader.last_stream_seq if reader is not None else 0,
         )
         yield GaugeMetricFamily(
             "eldr_signature_replay_caught_up",
-            "1 once the replay of BLOCKS has caught up with the stream as it was at start.",
-            value=1 if replay is not None and replay.caught_up.is_set() else 0,
+            "1 once the read-back of BLOCKS has caught up with the stream as it was at start.",
+            value=1 if reader is not None and reader.caught_up.is_set() else 0,
         )

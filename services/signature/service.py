@@ -1,8 +1,8 @@
 """The signature service: caches per-KV-block expert counts and assembles request signatures.
 
-Each replica replays the BLOCKS stream from its start and then follows it live, so every
+Each replica reads the BLOCKS stream back from its start and then follows it live, so every
 replica holds every block its budget has room for (replicated, not partitioned: see
-docs/ARCHITECTURE.md, "Signature service: replication"). Only once the replay has caught up
+docs/ARCHITECTURE.md, "Signature service: replication"). Only once the read-back has caught up
 with the stream as it was at start does the replica join the `signature` queue group on
 `{ns}.sig.assemble` and report ready, so a cold replica never answers with blocks it has
 not read yet.
@@ -155,29 +155,29 @@ class SignatureService:
         blocks_stream = stream_name(settings.namespace, BLOCKS)
         # Deliver-all from the stream's first message, then live ones: every replica
         # rebuilds the same cache from the stream.
-        replay = await bus.replay(
+        reader = await bus.read_back(
             blocks_stream,
             bus.subjects.blocks_all,
             BlockSummaryBatch,
             replica.on_batch,
             identity=IDENTITY[BlockSummaryBatch],
         )
-        replica.collector.replay = replay
-        ctx.add_health_check("blocks_replay_caught_up", replay.caught_up.is_set)
+        replica.collector.read_back = reader
+        ctx.add_health_check("blocks_replay_caught_up", reader.caught_up.is_set)
         log.info(
             "signature %s replaying %s (cache budget %d bytes)",
             settings.instance_id,
             blocks_stream,
             settings.cache_max_bytes,
         )
-        if not await _first_of(replay.caught_up, ctx.stopping):
+        if not await _first_of(reader.caught_up, ctx.stopping):
             return
         state = replica.state
         log.info(
             "signature %s caught up with %s at seq %d: %d blocks cached (%d bytes), %d models",
             settings.instance_id,
             blocks_stream,
-            replay.last_stream_seq,
+            reader.last_stream_seq,
             len(state.cache),
             state.cache.bytes_used,
             len(state.geometries),

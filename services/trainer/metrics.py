@@ -6,7 +6,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from eldr.core.partition.partition import FitReport
-from eldr.core.routing.online import DriftBaseline, ShadowResult
+from eldr.core.training.online import DriftBaseline, ShadowResult
 from eldr.training.trainer import ERROR_STAGES, OUTCOMES, TRIGGERS
 
 FIT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)

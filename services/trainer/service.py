@@ -138,7 +138,7 @@ async def setup(ctx: ServiceContext[TrainerSettings]) -> None:
     await asyncio.to_thread(trainer.load_active_version)
     now_s = time.time()
     replays = [
-        await bus.replay(
+        await bus.read_back(
             topo.stream_name(PROFILES),
             subjects.profiles_all,
             DecodeProfile,
@@ -146,14 +146,14 @@ async def setup(ctx: ServiceContext[TrainerSettings]) -> None:
             start_time_s=now_s - s.window_max_age_s,
             identity=IDENTITY[DecodeProfile],
         ),
-        await bus.replay(
+        await bus.read_back(
             topo.stream_name(DECISIONS),
             subjects.decisions_all,
             Decision,
             svc.on_decision,
             start_time_s=now_s - s.window_max_age_s,
         ),
-        await bus.replay(
+        await bus.read_back(
             topo.stream_name(FINISHED),
             subjects.finished_all,
             RequestFinished,
@@ -164,7 +164,7 @@ async def setup(ctx: ServiceContext[TrainerSettings]) -> None:
     ]
     if not s.trainer_workers:
         replays.append(
-            await bus.replay(
+            await bus.read_back(
                 topo.stream_name(LOAD),
                 subjects.load_all,
                 LoadReport,

@@ -307,7 +307,7 @@ async def read_decisions(bus: Bus, since_s: float, prefix: str) -> dict[str, lis
             )
 
     stream = stream_name(bus.subjects.namespace, DECISIONS)
-    replay = await bus.replay(
+    reader = await bus.read_back(
         stream,
         bus.subjects.decisions_all,
         Decision,
@@ -315,7 +315,7 @@ async def read_decisions(bus: Bus, since_s: float, prefix: str) -> dict[str, lis
         start_time_s=since_s,
         stop_at_end=True,
     )
-    await replay.wait_caught_up(timeout_s=60)
+    await reader.wait_caught_up(timeout_s=60)
     return found
 
 
@@ -326,7 +326,7 @@ async def read_dead_letters(bus: Bus, since_s: float) -> list[DeadLetter]:
         letters.append(letter)
 
     stream = stream_name(bus.subjects.namespace, DLQ)
-    replay = await bus.replay(
+    reader = await bus.read_back(
         stream,
         bus.subjects.dlq_all,
         DeadLetter,
@@ -334,7 +334,7 @@ async def read_dead_letters(bus: Bus, since_s: float) -> list[DeadLetter]:
         start_time_s=since_s,
         stop_at_end=True,
     )
-    await replay.wait_caught_up(timeout_s=30)
+    await reader.wait_caught_up(timeout_s=30)
     return letters
 
 

@@ -263,7 +263,7 @@ async def read_records(bus: Bus) -> Records:
     async def on(decision: Decision, _: Delivery) -> None:
         decisions.setdefault(decision.request_id, []).append(decision)
 
-    replay = await bus.replay(
+    reader = await bus.read_back(
         stream_name(bus.subjects.namespace, DECISIONS),
         bus.subjects.decisions_all,
         Decision,
@@ -271,7 +271,7 @@ async def read_records(bus: Bus) -> Records:
         stop_at_end=True,
         on_undecodable=undecodable.append,
     )
-    await replay.wait_caught_up(timeout_s=60)
+    await reader.wait_caught_up(timeout_s=60)
     return Records(decisions, undecodable)
 
 
@@ -282,14 +282,14 @@ async def read_dead_letters(bus: Bus, stream_suffix: str) -> list[DeadLetter]:
         letters.append(letter)
 
     ns = bus.subjects.namespace
-    replay = await bus.replay(
+    reader = await bus.read_back(
         stream_name(ns, DLQ),
         bus.subjects.dlq(stream_name(ns, stream_suffix) if stream_suffix != "core" else "core"),
         DeadLetter,
         on,
         stop_at_end=True,
     )
-    await replay.wait_caught_up(timeout_s=30)
+    await reader.wait_caught_up(timeout_s=30)
     return letters
 
 

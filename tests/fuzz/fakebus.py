@@ -1,7 +1,7 @@
 """An in-memory stand-in for the NATS connection under a real `eldr.bus.Bus`.
 
 The fuzz tests drive the bus's own inbound paths (`Subscription.on_msg`, `Service._handle`,
-`Consumer._process`, `Replay.on_msg`: size check, validated decode, dead-lettering, metrics,
+`Consumer._process`, `ReadBack.on_msg`: size check, validated decode, dead-lettering, metrics,
 ack/nak/term) and the services' real handlers, without sockets, so that tens of thousands
 of cases run in seconds. What the bus and the handlers send goes to `FakeNats.published`
 (core publishes, acks included) and `FakeJetStream.stored` (JetStream publishes, e.g. dead

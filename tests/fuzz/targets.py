@@ -1,5 +1,5 @@
 """Every inbound subject of every service, as a fuzz target: the bus path that receives it
-(core subscription, request/reply service, durable consumer, ordered replay) wired to the
+(core subscription, request/reply service, durable consumer, ordered read-back) wired to the
 service's real handler over a `FakeNats`, plus valid seed messages to mutate.
 
 A target's `feed(data)` delivers one payload the way the bus would and returns the outcome
@@ -21,7 +21,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from eldr.bus import REFUSAL_REASONS, Bus
-from eldr.bus.client import Consumer, Replay, Service, Subscription
+from eldr.bus.receivers import Consumer, ReadBack, Service, Subscription
 from eldr.bus.topology import IDENTITY
 from eldr.core.routing.profile import EldrCostProfile, EldrProfile
 from eldr.core.signature.blocks import summarize_blocks, trace_token_ids
@@ -380,13 +380,13 @@ def _target(
             await consumer._process(js_msg(nc, stream, "router", subject, data))
 
         dlq = bus.subjects.dlq(stream)
-    elif kind == "replay":
-        replay: Replay[Any] = Replay(
+    elif kind == "read_back":
+        reader: ReadBack[Any] = ReadBack(
             bus, stream, subject, message_type, handler, False, identity=identity
         )
 
         async def deliver(data: bytes) -> None:
-            await replay.on_msg(js_msg(nc, stream, "ordered", subject, data))
+            await reader.on_msg(js_msg(nc, stream, "ordered", subject, data))
 
         dlq = bus.subjects.dlq(stream)
     else:
@@ -498,7 +498,7 @@ def build_targets() -> list[Target]:
             "blocks/signature",
             BlockSummaryBatch,
             s("blocks", "p0"),
-            "replay",
+            "read_back",
             signature_handler("on_batch"),
             seeds,
         ),
@@ -547,7 +547,7 @@ def build_targets() -> list[Target]:
             "partition.active/router",
             PartitionAnnouncement,
             f"{NS}.partition.active",
-            "replay",
+            "read_back",
             router_handler("on_announcement"),
             seeds,
         ),
@@ -564,7 +564,7 @@ def build_targets() -> list[Target]:
             "decisions/trainer",
             Decision,
             s("decisions", "abc"),
-            "replay",
+            "read_back",
             trainer_handler("on_decision"),
             seeds,
         ),
@@ -572,7 +572,7 @@ def build_targets() -> list[Target]:
             "profiles/trainer",
             DecodeProfile,
             s("profiles"),
-            "replay",
+            "read_back",
             trainer_handler("on_profile"),
             seeds,
         ),
@@ -580,11 +580,13 @@ def build_targets() -> list[Target]:
             "finished/trainer",
             RequestFinished,
             s("finished"),
-            "replay",
+            "read_back",
             trainer_handler("on_finished"),
             seeds,
         ),
-        _target("load/trainer", LoadReport, s("load"), "replay", trainer_handler("on_load"), seeds),
+        _target(
+            "load/trainer", LoadReport, s("load"), "read_back", trainer_handler("on_load"), seeds
+        ),
         _target(
             "trainer.refit/trainer",
             RefitRequest,

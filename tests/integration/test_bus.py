@@ -1,5 +1,5 @@
 """The bus library against a real nats-server: topology, conditional publish, pull
-consumers (ack, retry, dead letters, drain), request/reply, replay, object store."""
+consumers (ack, retry, dead letters, drain), request/reply, read-back, object store."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import asyncio
 
 import numpy as np
 import pytest
+from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER
 from prometheus_client import CollectorRegistry
 
 from eldr.bus import (
@@ -37,6 +38,7 @@ from eldr.wire import (
     RefitRequest,
     SparseCounts,
     WireError,
+    encode,
 )
 from support import messages
 
@@ -230,7 +232,7 @@ async def test_consume_dead_letters_failures_after_max_deliver(
         letters.append(letter)
         dead.set()
 
-    await bus.replay(topology.stream_name(DLQ), bus.subjects.dlq(stream), DeadLetter, on_letter)
+    await bus.read_back(topology.stream_name(DLQ), bus.subjects.dlq(stream), DeadLetter, on_letter)
     await bus.consume(stream, ROUTER_CONSUMER, PrefillDone, failing, error_backoff_s=0.01)
     await bus.js_publish(bus.subjects.prefill_done("p0"), prefill_done("a"))
     await asyncio.wait_for(dead.wait(), WAIT_S)
@@ -252,7 +254,7 @@ async def test_consume_dead_letters_undecodable_and_continues(bus: Bus, topology
         letters.append(letter)
         dead.set()
 
-    await bus.replay(topology.stream_name(DLQ), bus.subjects.dlq(stream), DeadLetter, on_letter)
+    await bus.read_back(topology.stream_name(DLQ), bus.subjects.dlq(stream), DeadLetter, on_letter)
     await bus.consume(stream, ROUTER_CONSUMER, PrefillDone, handle)
     await bus.publish_raw(bus.subjects.prefill_done("p0"), b"\x93not a message")
     await bus.js_publish(bus.subjects.prefill_done("p0"), prefill_done("b"))
@@ -284,7 +286,7 @@ async def test_consume_refusals_are_dead_lettered_and_never_redelivered(
     async def on_letter(letter: DeadLetter, delivery: Delivery) -> None:
         letters.append(letter)
 
-    await bus.replay(topology.stream_name(DLQ), bus.subjects.dlq(stream), DeadLetter, on_letter)
+    await bus.read_back(topology.stream_name(DLQ), bus.subjects.dlq(stream), DeadLetter, on_letter)
     await bus.consume(
         stream, ROUTER_CONSUMER, PrefillDone, handle, identity="prefill_worker", batch=1
     )
@@ -324,6 +326,20 @@ async def test_a_refused_request_gets_error_code_403(bus: Bus) -> None:
         await bus.request(bus.subjects.trainer_refit, RefitRequest(reason="x"), RefitRequest)
     assert err.value.code == 403
     assert "inconsistent: no" in err.value.message
+
+
+async def test_an_error_answer_uses_the_nats_service_protocols_headers(bus: Bus) -> None:
+    """Any NATS service client (`nats.micro`, the `nats` CLI) reads the bus's error answers."""
+
+    async def refuse(request: RefitRequest) -> RefitRequest:
+        raise Reject("inconsistent", "no")
+
+    await bus.serve(bus.subjects.trainer_refit, None, RefitRequest, refuse)
+    answer = await bus._nc.request(bus.subjects.trainer_refit, encode(RefitRequest(reason="x")))
+    assert answer.data == b""
+    assert answer.headers is not None
+    assert answer.headers[ERROR_CODE_HEADER] == "403"
+    assert "inconsistent: no" in answer.headers[ERROR_HEADER]
 
 
 async def test_request_reply_round_trip(bus: Bus) -> None:
@@ -460,7 +476,7 @@ async def test_replay_from_sequence(bus: Bus, topology: Topology) -> None:
     async def handle(batch: BlockSummaryBatch, delivery: Delivery) -> None:
         seen.append((batch.seq, delivery.stream_seq))
 
-    replay = await bus.replay(
+    reader = await bus.read_back(
         topology.stream_name(BLOCKS),
         bus.subjects.blocks_all,
         BlockSummaryBatch,
@@ -468,7 +484,7 @@ async def test_replay_from_sequence(bus: Bus, topology: Topology) -> None:
         start_seq=3,
         stop_at_end=True,
     )
-    await asyncio.wait_for(replay.finished.wait(), WAIT_S)
+    await asyncio.wait_for(reader.finished.wait(), WAIT_S)
     assert seen == [(2, 3), (3, 4), (4, 5)]
 
 
@@ -478,10 +494,10 @@ async def test_replay_of_an_empty_stream_is_caught_up_at_once(bus: Bus, topology
     async def handle(batch: BlockSummaryBatch, delivery: Delivery) -> None:  # pragma: no cover
         raise AssertionError("nothing to replay")
 
-    replay = await bus.replay(
+    reader = await bus.read_back(
         topology.stream_name(BLOCKS), bus.subjects.blocks_all, BlockSummaryBatch, handle
     )
-    assert replay.caught_up.is_set()
+    assert reader.caught_up.is_set()
 
 
 async def test_core_subscribe_delivers_typed_messages(bus: Bus) -> None:

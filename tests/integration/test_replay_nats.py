@@ -28,9 +28,10 @@ from eldr.core.signature.signature import Calibration
 from eldr.dev.natsserver import EmbeddedNats
 from eldr.partitions.codec import partition_to_blob
 from eldr.replay.cli import register
-from eldr.replay.engine import ReplayConfig, replay
+from eldr.replay.engine import replay
 from eldr.replay.eventlog import EventLog, Selection, read_event_file, record_offsets
 from eldr.replay.source import read_events
+from eldr.replay.whatif import ReplayConfig
 from eldr.runtime import run_service
 from eldr.settings import BusSettings, RetentionSettings
 from eldr.wire import (

@@ -59,14 +59,14 @@ async def test_a_replay_resumes_after_the_server_restarts(tmp_path: Path, from_t
 
         await bus.publish(bus.subjects.load("w0"), report(1))
         await bus.flush()
-        replay = await bus.replay(
+        reader = await bus.read_back(
             f"{namespace.upper()}_LOAD",
             bus.subjects.load_all,
             LoadReport,
             on_report,
             start_time_s=time.time() - 60 if from_time else None,
         )
-        await replay.wait_caught_up(5)
+        await reader.wait_caught_up(5)
         await asyncio.to_thread(server.kill)
         await asyncio.to_thread(server.start)
         deadline = time.monotonic() + 15

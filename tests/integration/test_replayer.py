@@ -162,14 +162,14 @@ async def published_batches(bus: Bus) -> list[BlockSummaryBatch]:
     async def keep(batch: BlockSummaryBatch, _: Delivery) -> None:
         batches.append(batch)
 
-    replay = await bus.replay(
+    reader = await bus.read_back(
         stream_name(bus.settings.namespace, BLOCKS),
         bus.subjects.blocks("p0"),
         BlockSummaryBatch,
         keep,
         stop_at_end=True,
     )
-    await replay.wait_caught_up(WAIT_S)
+    await reader.wait_caught_up(WAIT_S)
     return batches
 
 

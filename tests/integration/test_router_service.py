@@ -74,12 +74,12 @@ async def collect_decisions(bus: Bus, n: int, timeout_s: float = 20.0) -> list[D
             done.set()
 
     topo_stream = f"{bus.subjects.namespace.upper()}_{DECISIONS}"
-    replay = await bus.replay(topo_stream, bus.subjects.decisions_all, Decision, on)
+    reader = await bus.read_back(topo_stream, bus.subjects.decisions_all, Decision, on)
     try:
         await asyncio.wait_for(done.wait(), timeout_s)
         await asyncio.sleep(0.2)  # anything beyond n would be a double decision
     finally:
-        await replay.stop()
+        await reader.stop()
     return got
 
 

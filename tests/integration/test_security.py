@@ -221,7 +221,7 @@ async def test_a_client_without_rights_cannot_publish_decisions_or_partitions(
     rid = f"forged-{name}"
     async with connected(secure, name) as intruder, connected(secure, "admin") as admin:
         subjects = intruder.subjects
-        caplog.set_level(logging.WARNING, logger="eldr.bus.client")
+        caplog.set_level(logging.WARNING, logger="eldr.bus")
         with pytest.raises(BusError):  # no ack: the server dropped the publish
             await intruder.js_publish(subjects.decision(rid), _decision(rid), timeout_s=1.0)
         await intruder.publish(subjects.decision(rid), _decision(rid))  # core: recorded if let in
@@ -272,10 +272,10 @@ async def _dead_letters(admin: Bus, ns: str, token: str) -> list[DeadLetter]:
     async def on(letter: DeadLetter, _: Delivery) -> None:
         letters.append(letter)
 
-    replay = await admin.replay(
+    reader = await admin.read_back(
         f"{ns.upper()}_DLQ", admin.subjects.dlq(token), DeadLetter, on, stop_at_end=True
     )
-    await replay.wait_caught_up(timeout_s=10)
+    await reader.wait_caught_up(timeout_s=10)
     return letters
 
 
@@ -522,7 +522,7 @@ async def test_a_decode_worker_can_neither_read_nor_write_other_roles_inboxes(
     worker's inbox does not arrive. Its own inbox still works (the control)."""
     await topology(secure)
     ns = secure.namespace
-    caplog.set_level(logging.WARNING, logger="eldr.bus.client")
+    caplog.set_level(logging.WARNING, logger="eldr.bus")
     async with (
         connected(secure, "router") as router,
         connected(secure, "pw0") as prefill,

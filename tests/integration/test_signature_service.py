@@ -372,14 +372,14 @@ async def test_bad_batches_are_counted_and_the_service_keeps_serving(
     async def on_letter(letter: DeadLetter, _: Delivery) -> None:
         letters.append(letter)
 
-    replay = await bus.replay(
+    reader = await bus.read_back(
         stream_name(namespace, DLQ),
         bus.subjects.dlq(stream_name(namespace, BLOCKS)),
         DeadLetter,
         on_letter,
         stop_at_end=True,
     )
-    await replay.wait_caught_up(timeout_s=10)
+    await reader.wait_caught_up(timeout_s=10)
     assert [letter.payload == b"\x93not a batch" for letter in letters] == [True, False]
     assert "geometry_mismatch" in letters[1].error
     # The mismatched batch's blocks were not cached.

@@ -21,9 +21,9 @@ async def committed_decision(bus: Bus, rid: str, timeout_s: float = 20.0) -> Dec
             done.set()
 
     stream = f"{bus.subjects.namespace.upper()}_{DECISIONS}"
-    replay = await bus.replay(stream, bus.subjects.decision(rid), Decision, on)
+    reader = await bus.read_back(stream, bus.subjects.decision(rid), Decision, on)
     try:
         await asyncio.wait_for(done.wait(), timeout_s)
     finally:
-        await replay.stop()
+        await reader.stop()
     return got[0]

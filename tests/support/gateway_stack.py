@@ -318,11 +318,11 @@ async def prefill_done_of(bus: Bus, request_id: str) -> PrefillDone:
             got.set()
 
     stream = f"{bus.settings.namespace.upper()}_PREFILL"
-    replay = await bus.replay(stream, bus.subjects.prefill_done_all, PrefillDone, on)
+    reader = await bus.read_back(stream, bus.subjects.prefill_done_all, PrefillDone, on)
     try:
         await asyncio.wait_for(got.wait(), 10)
     finally:
-        await replay.stop()
+        await reader.stop()
     return found[0]
 
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from eldr.bus.client import finish_within, stop_task
+from eldr.bus.connection import finish_within, stop_task
 
 
 class Stubborn:

@@ -2,7 +2,7 @@
 
 `make lint` checks the layers and the sibling cycles (`lint-imports`, contracts in
 pyproject.toml); this test adds the cycles no sibling contract sees, those through a
-package's `__init__` (`eldr.bus.client` importing `eldr.bus`, which imports it back).
+package's `__init__` (`eldr.bus.bus` importing `eldr.bus`, which imports it back).
 grimp reads every import statement, those inside functions and under TYPE_CHECKING too.
 It also checks that the contracts name every top-level piece of `eldr`, so that a new wing
 is not outside the layers (and free to import the core's way up) by being forgotten.

@@ -8,7 +8,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from eldr.core.partition.partition import Partition, fit_partition
-from eldr.core.routing.online import (
+from eldr.core.routing.profile import EldrCostProfile, EldrProfile, JsqProfile, ProfileBase
+from eldr.core.signature.signature import Calibration
+from eldr.core.training.online import (
     DriftBaseline,
     DriftMonitor,
     DriftThresholds,
@@ -22,8 +24,6 @@ from eldr.core.routing.online import (
     shadow_assignment,
     shadow_evaluate,
 )
-from eldr.core.routing.profile import EldrCostProfile, EldrProfile, JsqProfile, ProfileBase
-from eldr.core.signature.signature import Calibration
 from eldr.core.workload.trace import ModelGeometry
 
 L, E = 2, 8

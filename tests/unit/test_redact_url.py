@@ -6,7 +6,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-from eldr.bus.client import redact_url
+from eldr.bus.connection import redact_url
 
 
 @pytest.mark.parametrize(

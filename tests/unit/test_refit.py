@@ -9,9 +9,9 @@ import math
 import numpy as np
 import pytest
 
-from eldr.core.routing.online import per_token_activation, promotion_verdict, shadow_evaluate
 from eldr.core.routing.profile import DEFAULT_PROFILE, EldrCostProfile
 from eldr.core.training.config import TrainerConfig
+from eldr.core.training.online import per_token_activation, promotion_verdict, shadow_evaluate
 from eldr.core.training.refit import (
     FitAborted,
     FitFailed,

@@ -18,19 +18,14 @@ from eldr.core.routing.profile import params_taken, profile_from_params
 from eldr.core.signature.signature import Calibration
 from eldr.data.profiles import load_catalog
 from eldr.partitions.codec import partition_to_blob
-from eldr.replay.engine import (
-    ReplayConfig,
-    Replayer,
-    model_decode_effect,
-    replay,
-    reproduce_decision,
-    request_end,
-)
-from eldr.replay.engine import (
-    _batch_union as batch_union,
-)
+from eldr.replay.effect import _batch_union as batch_union
+from eldr.replay.effect import model_decode_effect
+from eldr.replay.engine import Replayer, replay
 from eldr.replay.eventlog import Event, EventLog
 from eldr.replay.explain import explain
+from eldr.replay.inputs import request_end
+from eldr.replay.reproduction import reproduce_decision
+from eldr.replay.whatif import ReplayConfig
 from eldr.wire import (
     Decision,
     DecodeProfile,

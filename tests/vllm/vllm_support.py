@@ -283,14 +283,14 @@ async def prefill_events(engines: Engines, request_ids: set[str], timeout_s: flo
         BusSettings(nats_url=engines.nats_url, namespace=engines.namespace), "events"
     )
     try:
-        replay = await bus.replay(
+        reader = await bus.read_back(
             f"{engines.namespace.upper()}_PREFILL",
             bus.subjects.prefill_done(PREFILL_ID),
             PrefillDone,
             on_event,
         )
         await asyncio.wait_for(complete.wait(), timeout_s)
-        await replay.stop()
+        await reader.stop()
     finally:
         await bus.drain()
     return found

@@ -43,7 +43,6 @@ from eldr.bench.routing_bench import (
 )
 from eldr.core.costmodel import CostProfile
 from eldr.core.partition.partition import Partition, fit_partition
-from eldr.core.routing.online import DriftThresholds, partition_scores
 from eldr.core.routing.pipeline import make_policy
 from eldr.core.routing.profile import (
     DEFAULT_PROFILE,
@@ -52,6 +51,7 @@ from eldr.core.routing.profile import (
     ProfileBase,
 )
 from eldr.core.training.config import TrainerConfig
+from eldr.core.training.online import DriftThresholds, partition_scores
 from eldr.core.training.refit import RefitSkipped, TrainerState, plan_refit
 from eldr.core.training.trainwindow import SparseRow
 from eldr.core.workload.sizing import rates_for_batch_targets

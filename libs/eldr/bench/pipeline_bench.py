@@ -192,7 +192,7 @@ async def count_decisions(bus: Bus, since_s: float, request_ids: set[str]) -> tu
         if decision.request_id in request_ids:
             seen[decision.request_id] = seen.get(decision.request_id, 0) + 1
 
-    replay = await bus.replay(
+    reader = await bus.read_back(
         stream_name(bus.subjects.namespace, DECISIONS),
         bus.subjects.decisions_all,
         Decision,
@@ -200,7 +200,7 @@ async def count_decisions(bus: Bus, since_s: float, request_ids: set[str]) -> tu
         start_time_s=since_s,
         stop_at_end=True,
     )
-    await replay.wait_caught_up(timeout_s=120)
+    await reader.wait_caught_up(timeout_s=120)
     return sum(seen.values()), len(seen)
 
 

@@ -1,27 +1,13 @@
 """The only module that talks to NATS: connect, topology, publish, serve, consume, drain.
 
-Services use `Bus` (client.py), the topology as data (topology.py) and `apply_topology`
-(apply.py); they never import `nats`.
+Services use `Bus` (bus.py: the connection, publishing and commit, dead letters, the
+receivers and the object store, one module each), the topology as data (topology.py) and
+`apply_topology` (apply.py); they never import `nats`.
 """
 
 from eldr.bus.apply import TopologyChange, apply_topology, delete_topology
-from eldr.bus.client import (
-    Bus,
-    Committed,
-    Consumer,
-    ConsumerState,
-    Delivery,
-    Handler,
-    ObjectRef,
-    PublishAck,
-    Replay,
-    RequestHandler,
-    Service,
-    StreamState,
-    Subscription,
-    Undecodable,
-    is_reply_inbox,
-)
+from eldr.bus.bus import Bus
+from eldr.bus.connection import is_reply_inbox
 from eldr.bus.errors import (
     REFUSAL_REASONS,
     AlreadyExists,
@@ -37,6 +23,18 @@ from eldr.bus.errors import (
     UnavailableError,
 )
 from eldr.bus.hold import hold_while
+from eldr.bus.objects import ObjectRef
+from eldr.bus.publishing import Committed, ConsumerState, PublishAck, StreamState
+from eldr.bus.receivers import (
+    Consumer,
+    Delivery,
+    Handler,
+    ReadBack,
+    RequestHandler,
+    Service,
+    Subscription,
+    Undecodable,
+)
 from eldr.bus.topology import (
     ROUTER_CONSUMER,
     SIGNATURE_QUEUE,
@@ -74,9 +72,9 @@ __all__ = [
     "ObjectRef",
     "ObjectStoreSpec",
     "PublishAck",
+    "ReadBack",
     "Reject",
     "RemoteError",
-    "Replay",
     "RequestHandler",
     "Retry",
     "Service",

@@ -23,7 +23,8 @@ from typing import Any, Literal
 
 from nats.js import api
 
-from eldr.bus.client import Bus, _translated
+from eldr.bus.bus import Bus
+from eldr.bus.connection import translated
 from eldr.bus.errors import NotFoundError, TopologyError
 from eldr.bus.owners import BUCKET_OWNER, CONSUMER_OWNERS, stream_owner
 from eldr.bus.topology import ConsumerSpec, ObjectStoreSpec, StreamSpec, Topology
@@ -101,10 +102,10 @@ async def _apply_stream(bus: Bus, spec: StreamSpec, owner: str | None = None) ->
     js = bus._js
     want = _stream_config(spec)
     try:
-        with _translated(f"stream info {spec.name}"):
+        with translated(f"stream info {spec.name}"):
             info = await js.stream_info(spec.name)
     except NotFoundError:
-        with _translated(f"create stream {spec.name}"):
+        with translated(f"create stream {spec.name}"):
             await js.add_stream(want)
         log.info("created stream %s (%s)", spec.name, ", ".join(spec.subjects))
         return TopologyChange("stream", spec.name, "created")
@@ -119,7 +120,7 @@ async def _apply_stream(bus: Bus, spec: StreamSpec, owner: str | None = None) ->
             f"{spec.storage}: the server cannot change it in place; back up and delete the "
             "stream to change it"
         )
-    with _translated(f"update stream {spec.name}"):
+    with translated(f"update stream {spec.name}"):
         await js.update_stream(want)
     log.info("updated stream %s: %s", spec.name, ", ".join(changed))
     return TopologyChange("stream", spec.name, "updated", ", ".join(changed))
@@ -162,10 +163,10 @@ async def _apply_consumer(bus: Bus, spec: ConsumerSpec) -> TopologyChange:
     want = _consumer_config(spec)
     name = f"{spec.stream}/{spec.durable}"
     try:
-        with _translated(f"consumer info {name}"):
+        with translated(f"consumer info {name}"):
             info = await js.consumer_info(spec.stream, spec.durable)
     except NotFoundError:
-        with _translated(f"create consumer {name}"):
+        with translated(f"create consumer {name}"):
             await js.add_consumer(spec.stream, want)
         log.info("created consumer %s", name)
         return TopologyChange("consumer", name, "created")
@@ -178,7 +179,7 @@ async def _apply_consumer(bus: Bus, spec: ConsumerSpec) -> TopologyChange:
             "consumer to recreate it (its position is lost)"
         )
     # Creating with the same name updates an existing consumer.
-    with _translated(f"update consumer {name}"):
+    with translated(f"update consumer {name}"):
         await js.add_consumer(spec.stream, want)
     log.info("updated consumer %s: %s", name, ", ".join(changed))
     return TopologyChange("consumer", name, "updated", ", ".join(changed))
@@ -202,10 +203,10 @@ async def _apply_object_store(
 ) -> TopologyChange:
     js = bus._js
     try:
-        with _translated(f"stream info {spec.stream_name}"):
+        with translated(f"stream info {spec.stream_name}"):
             info = await js.stream_info(spec.stream_name)
     except NotFoundError:
-        with _translated(f"create object store {spec.bucket}"):
+        with translated(f"create object store {spec.bucket}"):
             await js.create_object_store(
                 spec.bucket,
                 config=api.ObjectStoreConfig(
@@ -233,7 +234,7 @@ async def _apply_object_store(
         return TopologyChange("object_store", spec.bucket, "unchanged")
     if owner is not None:
         return _differs("object_store", spec.bucket, owner, changed)
-    with _translated(f"update object store {spec.bucket}"):
+    with translated(f"update object store {spec.bucket}"):
         await js.update_stream(have.evolve(**wanted))
     log.info("updated object store %s: %s", spec.bucket, ", ".join(changed))
     return TopologyChange("object_store", spec.bucket, "updated", ", ".join(changed))
@@ -276,7 +277,7 @@ async def delete_topology(bus: Bus, topology: Topology) -> None:
     names += [spec.stream_name for spec in topology.object_stores]
     for name in names:
         try:
-            with _translated(f"delete stream {name}"):
+            with translated(f"delete stream {name}"):
                 await bus._js.delete_stream(name)
         except NotFoundError:
             continue

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from eldr.bus.client import Delivery
+from eldr.bus.receivers import Delivery
 
 T = TypeVar("T")
 

@@ -1,7 +1,7 @@
 """Streams, consumers, the object-store bucket and subject names, declared as data.
 
 Everything here is plain data computed from a namespace and `RetentionSettings`; it
-imports no NATS code. `eldr.bus.client.apply_topology` makes the server match it.
+imports no NATS code. `eldr.bus.apply.apply_topology` makes the server match it.
 The table in docs/ARCHITECTURE.md ("Services and data flow") is the contract this file
 implements: change both together.
 """

@@ -12,7 +12,7 @@ from typing import Any
 
 from sqlalchemy import make_url
 
-from eldr.bus.client import redact_url
+from eldr.bus.connection import redact_url
 from eldr.dev.stack import (
     SERVICES,
     DevStackSettings,

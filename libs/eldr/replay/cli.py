@@ -412,7 +412,8 @@ def _partition_arg(args: argparse.Namespace, event_log: EventLog) -> Partition |
 def _cmd_replay(args: argparse.Namespace) -> int:
     from eldr.data.profiles import DEFAULT_PROFILE_FOR_TRACES, ProfileError, load_catalog
     from eldr.progress import terminal_progress
-    from eldr.replay.engine import ReplayConfig, replay, replay_steps
+    from eldr.replay.engine import replay, replay_steps
+    from eldr.replay.whatif import ReplayConfig
 
     if args.file is not None:
         loaded = _load_file("replay", args.file)

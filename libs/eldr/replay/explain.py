@@ -8,7 +8,7 @@ same loads) would have chosen, any fallback and its reason, and whether replayin
 record gives the same decision.
 
 The numbers come from the decision itself, re-run on its recorded inputs through the
-router's own decision (`eldr.replay.engine.reproduce_decision`, `route`): the band rule's
+router's own decision (`eldr.replay.reproduction.reproduce_decision`, `route`): the band rule's
 best score, threshold, widening and newcomers, the workers tied for the least load are
 what the policy computed (`Choice`, `BandTrace`), not re-derived here; JSQ's pick goes
 through the same decision function (`decide_view`). Without the partition version the
@@ -33,14 +33,9 @@ from eldr.core.routing.profile import (
     RandomProfile,
     RoundRobinProfile,
 )
-from eldr.replay.engine import (
-    Reproduction,
-    least_loaded_candidates,
-    recorded_fleet,
-    recorded_profile,
-    reproduce_decision,
-)
 from eldr.replay.eventlog import format_ts
+from eldr.replay.inputs import least_loaded_candidates, recorded_fleet, recorded_profile
+from eldr.replay.reproduction import Reproduction, reproduce_decision
 from eldr.wire import Decision, DecodeProfile
 
 LOAD_UNITS = {"requests": "in-flight requests", "kv_tokens": "KV tokens"}

@@ -163,7 +163,7 @@ async def _read_stream(
                 finished.set()
 
     try:
-        replay = await bus.replay(
+        reader = await bus.read_back(
             stream,
             subject_filter,
             message_type,
@@ -178,15 +178,15 @@ async def _read_stream(
             f"namespace {bus.subjects.namespace!r} has no stream {stream} (is ELDR_NAMESPACE "
             f"right? are the services running there?): {exc}"
         ) from exc
-    ended = asyncio.create_task(replay.finished.wait())
+    ended = asyncio.create_task(reader.finished.wait())
     stopped = asyncio.create_task(finished.wait())
     try:
         await asyncio.wait({ended, stopped}, timeout=timeout_s, return_when="FIRST_COMPLETED")
     finally:
         ended.cancel()
         stopped.cancel()
-        await replay.stop()
-    if not (replay.finished.is_set() or finished.is_set()):
+        await reader.stop()
+    if not (reader.finished.is_set() or finished.is_set()):
         raise SourceError(f"reading {stream} did not finish within {timeout_s:g} s")
     return events
 

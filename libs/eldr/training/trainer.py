@@ -53,8 +53,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from eldr.bus import BusError, ObjectRef, PublishAck
 from eldr.core.partition.partition import FitReport, Partition
-from eldr.core.routing.online import DriftBaseline, DriftMonitor, DriftStatus, ShadowResult
 from eldr.core.training.config import TrainerConfig as TrainerConfig  # the service's import
+from eldr.core.training.online import DriftBaseline, DriftMonitor, DriftStatus, ShadowResult
 from eldr.core.training.refit import (
     FitAborted,
     FitFailed,

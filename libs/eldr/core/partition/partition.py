@@ -199,7 +199,7 @@ class Partition:
 BEST_SIMILARITY_METRIC = "drift_best_similarity"
 OCCUPANCY_SKEW_METRIC = "drift_occupancy_skew"
 BASELINE_HELD_OUT_METRIC = "drift_baseline_held_out"
-"""Keys of a fit's drift baseline in `Partition.metrics` (`eldr.core.routing.online`); the last is
+"""Keys of a fit's drift baseline in `Partition.metrics` (`eldr.core.training.online`); the last is
 1 when the baseline was measured on held-out requests, 0 on the training requests."""
 
 

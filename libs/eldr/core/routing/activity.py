@@ -248,8 +248,8 @@ def expected_union(log_idle: np.ndarray) -> float:
     over the batch (log_idle = sum of log(1 - p)). The activity table holds the same
     product per worker (`ActivityTable.miss_view`, from which the cost-aware policy reads
     U), the trainer's shadow gate models a worker's batch with it
-    (`eldr.core.routing.online.modelled_union`) and replay its recorded batches
-    (`eldr.replay.engine`).
+    (`eldr.core.training.online.modelled_union`) and replay its recorded batches
+    (`eldr.replay.effect`).
     """
     return float(-np.sum(np.expm1(log_idle)))
 

@@ -9,7 +9,7 @@ band, the loads seen, any fallback, what the policy computed).
 One assembly: `decide_view` builds the `FleetView`, picks the policy or its load-only
 fallback and calls `Policy.choose`; `route` adds what a router knows of the request (its
 partition scores, its predicted demand) and is what `RouterCore.decide` runs. The simulator,
-the trainer's shadow gate (`eldr.core.routing.online.shadow_assignment`), replay and explain
+the trainer's shadow gate (`eldr.core.training.online.shadow_assignment`), replay and explain
 decide through the same two functions. The profile says everything a decision depends on
 (the load measure, the band width the centroid index keeps exact, the demand model); no
 parameter travels beside it.
@@ -36,7 +36,7 @@ their loads, the partition, the request, the policy and a generator). `RouterCor
 reads those inputs from the load table and draws a fresh 63-bit seed per decision for the
 generator (`DecisionRng`); the seed goes into the decision record, so a replay that feeds
 the recorded inputs to `route` re-creates every tie-break and random draw exactly, in
-whatever order the decisions are replayed (`eldr.replay.engine`).
+whatever order the decisions are replayed (`eldr.replay.reproduction`).
 """
 
 from __future__ import annotations

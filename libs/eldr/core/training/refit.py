@@ -37,7 +37,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from eldr.core.partition.partition import FitReport, Partition, fit_partition
-from eldr.core.routing.online import (
+from eldr.core.routing.profile import ProfileBase
+from eldr.core.training.config import TrainerConfig
+from eldr.core.training.online import (
     DriftBaseline,
     DriftMonitor,
     DriftStatus,
@@ -51,8 +53,6 @@ from eldr.core.routing.online import (
     refit_trigger,
     shadow_evaluate,
 )
-from eldr.core.routing.profile import ProfileBase
-from eldr.core.training.config import TrainerConfig
 from eldr.core.training.trainwindow import (
     DecisionOutcome,
     FinishOutcome,
