@@ -56,6 +56,10 @@ class StoredVersion:
     blob_bytes: bytes
     sha256: str
 
+    @property
+    def model(self) -> str:
+        return self.blob.model
+
 
 def write_lock_key() -> int:
     digest = hashlib.blake2b(WRITE_LOCK_NAME.encode(), digest_size=8).digest()
@@ -67,6 +71,20 @@ def blob_for_version(partition: Partition, version: int) -> tuple[PartitionBlob,
     blob = msgspec.structs.replace(partition_to_blob(partition), version=version)
     data = encode(blob)
     return blob, data, hashlib.sha256(data).hexdigest()
+
+
+def rebuild_stored(record: repo.PartitionRecord, retired: int | None = None) -> StoredVersion:
+    """A stored version with its blob rebuilt from its row; ValueError if the blob does not
+    hash as the row says (every router would refuse it)."""
+    if record.version is None:
+        raise ValueError("a stored partition record has a version")
+    blob, data, sha = blob_for_version(partition_from_record(record, "exact"), record.version)
+    if sha != record.blob_sha256:
+        raise ValueError(
+            f"version {record.version}: the blob rebuilt from the database hashes to {sha}, "
+            f"the row says {record.blob_sha256}"
+        )
+    return StoredVersion(record.version, retired, blob, data, sha)
 
 
 def load_active(sessions: sessionmaker[Session], model: str) -> Partition | None:
@@ -176,7 +194,7 @@ def _write_once(
     activate: bool = True,
 ) -> StoredVersion:
     with sessions.begin() as session:
-        _take_write_lock(session, lock_timeout_s)
+        take_write_lock(session, lock_timeout_s)
         expected = _next_version(session)
         blob, data, sha = blob_for_version(partition, expected)
         record = partition_to_record(
@@ -199,7 +217,9 @@ def _write_once(
     return StoredVersion(version, retired, blob, data, sha)
 
 
-def _take_write_lock(session: Session, timeout_s: float) -> None:
+def take_write_lock(session: Session, timeout_s: float) -> None:
+    """Take the partition write lock for the rest of `session`'s transaction (the module
+    docstring says how); WriteLockTimeoutError after `timeout_s` on PostgreSQL."""
     dialect = session.get_bind().dialect.name
     if dialect == "postgresql":
         deadline = time.monotonic() + timeout_s
