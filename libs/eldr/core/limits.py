@@ -45,9 +45,10 @@ class GeometryLimits:
             if n_layers < 1 or n_experts < 1:
                 raise ValueError(f"model {model!r}: geometry {n_layers} x {n_experts}")
 
-    def problem(self, model: str, n_layers: int, n_experts: int) -> str | None:
-        """Why a message of `model` declaring `n_layers` x `n_experts` is refused, or None."""
-        known = self.models.get(model)
+    def problem(self, model: str | None, n_layers: int, n_experts: int) -> str | None:
+        """Why a message of `model` declaring `n_layers` x `n_experts` is refused, or None.
+        A message that names no model (None) is held to the caps alone."""
+        known = None if model is None else self.models.get(model)
         if known is not None:
             if (n_layers, n_experts) != known:
                 return (
@@ -55,7 +56,7 @@ class GeometryLimits:
                     f"says {n_layers} x {n_experts}"
                 )
             return None
-        if self.only_listed:
+        if self.only_listed and model is not None:
             return f"model {model!r} is not one of the configured models"
         if n_layers > self.max_moe_layers:
             return f"{n_layers} MoE layers, more than the {self.max_moe_layers} configured"
