@@ -26,6 +26,9 @@ DEFAULT_MAX_MOE_LAYERS = 128
 DEFAULT_MAX_EXPERTS = 1024
 DEFAULT_MAX_CELLS = 16_384
 """Layers x experts: a dense float64 matrix of this many cells is 128 KiB."""
+DEFAULT_MAX_WORKERS = 1024
+"""Default fleet size bound of a router's load table and the trainer's live workers (the
+wire allows 4,096 workers per decision)."""
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,8 @@ from typing import Literal
 
 import numpy as np
 
+from eldr.core.limits import DEFAULT_MAX_WORKERS
+
 
 @dataclass(frozen=True)
 class SparseRow:
@@ -318,7 +320,7 @@ class LiveWorkers:
     counts them) until one goes silent, so a forged fleet cannot grow a refit past it."""
 
     ttl_s: float
-    max_workers: int = 1024
+    max_workers: int = DEFAULT_MAX_WORKERS
     refused: int = 0
     _last_s: dict[str, float] = field(default_factory=dict)
     _draining: set[str] = field(default_factory=set)
