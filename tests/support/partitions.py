@@ -8,15 +8,14 @@ import time
 from eldr.bus import Bus
 from eldr.core.partition.partition import Partition
 from eldr.partitions.announce import announce_version
-from eldr.partitions.writer import StoredVersion, blob_for_version
+from eldr.partitions.writer import blob_for_version
 
 
 async def announce(bus: Bus, p: Partition) -> None:
     """Store `p`'s blob and announce it as the active version (the topology must exist)."""
-    blob, data, sha = blob_for_version(p, p.version)
     await announce_version(
         bus,
-        StoredVersion(p.version, None, blob, data, sha),
+        blob_for_version(p, p.version),
         bucket=f"{bus.subjects.namespace}-partitions",
         subject=bus.subjects.partition_active,
         created_ts_s=time.time(),

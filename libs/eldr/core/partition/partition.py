@@ -55,7 +55,6 @@ class Partition:
     centroids: np.ndarray
     owners: np.ndarray
     workers: tuple[str, ...]
-    prices: np.ndarray | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     index_method: str = "auto"
     _index: CentroidIndex = field(init=False, repr=False)
@@ -466,7 +465,6 @@ def fit_partition(
         centroids=fit.centroids,
         owners=mapping,
         workers=tuple(workers),
-        prices=None,
         metrics={},
     )
     tick()
