@@ -54,6 +54,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from eldr.bus import BusError
 from eldr.core.partition.partition import FitReport, Partition
 from eldr.core.routing.online import DriftBaseline, DriftMonitor, DriftStatus, ShadowResult
+from eldr.core.signature.sparse import SparseRow
 from eldr.core.training.config import TrainerConfig as TrainerConfig  # the service's import
 from eldr.core.training.refit import (
     FitAborted,
@@ -65,7 +66,7 @@ from eldr.core.training.refit import (
     plan_refit,
     shadow_batch,
 )
-from eldr.core.training.trainwindow import LiveWorkers, SparseRow, TrainingWindow
+from eldr.core.training.trainwindow import LiveWorkers, TrainingWindow
 from eldr.partitions.announce import BlobMismatchError, PartitionBus, announce_version
 from eldr.partitions.codec import partition_from_record
 from eldr.partitions.writer import (

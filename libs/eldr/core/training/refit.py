@@ -52,12 +52,12 @@ from eldr.core.routing.online import (
     shadow_evaluate,
 )
 from eldr.core.routing.profile import ProfileBase
+from eldr.core.signature.sparse import SparseRow
 from eldr.core.training.config import TrainerConfig
 from eldr.core.training.trainwindow import (
     DecisionOutcome,
     FinishOutcome,
     ProfileOutcome,
-    SparseRow,
     TrainingSet,
     TrainingWindow,
     WindowSnapshot,
