@@ -12,7 +12,6 @@ from eldr.core.signature.blockcache import (
     BlockCache,
     stored_nbytes,
 )
-from eldr.core.signature.blocks import to_sparse
 from eldr.core.signature.sparse import SparseRow
 
 DIM = 12
@@ -37,8 +36,7 @@ def dense_blocks(draw: st.DrawFn, dim: int = DIM) -> np.ndarray:
 
 
 def sparse(dense: np.ndarray) -> SparseRow:
-    idx, val = to_sparse(dense)
-    return SparseRow((1, dense.size), idx, val)
+    return SparseRow.from_dense(dense.reshape(1, -1))
 
 
 def test_nbytes_counts_payload_and_overhead() -> None:
