@@ -6,8 +6,8 @@ from typing import Literal, Self
 
 from pydantic import Field, model_validator
 
+from eldr.core.limits import DEFAULT_MAX_WORKERS
 from eldr.core.routing.activity import DEFAULT_MAX_ENTRIES, DEFAULT_TTL_S
-from eldr.core.routing.loadtable import DEFAULT_MAX_WORKERS
 from eldr.settings import CommonSettings, GeometrySettings, RoutingSettings
 from eldr.wire.base import MAX_SCORES, MAX_WORKERS
 from eldr.wire.messages import decision_bytes_bound

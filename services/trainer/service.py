@@ -23,12 +23,12 @@ object store bucket `{ns}-partitions` as `v{version}` and announced on
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 
 from eldr.bus import Delivery, Reject, build_topology
 from eldr.bus.topology import DECISIONS, FINISHED, IDENTITY, LOAD, PARTITIONS, PROFILES
+from eldr.core.partition.partition import geometry_problem
 from eldr.runtime import ServiceContext, service_main
 from eldr.training.trainer import (
     PartitionAnnouncer,
@@ -64,7 +64,6 @@ class TrainerService:
         self.topology = build_topology(s.namespace, s)
         self.metrics = TrainerMetrics(ctx.registry)
         self.limits = s.geometry_limits()
-        self.caps = dataclasses.replace(self.limits, models={}, only_listed=False)
         clock = SystemClock()
         self.database = TrainerDatabase(
             s.database_url,
@@ -84,22 +83,10 @@ class TrainerService:
         )
 
     def _check_geometry(self, model: str | None, shape: list[int]) -> None:
-        """Refuse counts of a geometry this trainer does not fit (the active version's for
-        its model, else the configured limits), before they enter the window."""
+        """Refuse counts of a geometry this trainer does not fit (`geometry_problem`, the
+        router's check), before they enter the window; a profile names no model."""
         n_layers, n_experts = shape
-        active = self.trainer.active
-        if model is not None and active is not None and active.model == model:
-            cal = active.calibration
-            if (n_layers, n_experts) != (cal.num_moe_layers, cal.num_experts):
-                raise Reject(
-                    "geometry_mismatch",
-                    f"{model!r} is {cal.num_moe_layers} x {cal.num_experts} (version "
-                    f"{active.version}), the counts are {n_layers} x {n_experts}",
-                )
-            return
-        # A profile names no model: the caps alone apply to it.
-        limits = self.limits if model is not None else self.caps
-        problem = limits.problem(model or "", n_layers, n_experts)
+        problem = geometry_problem(self.trainer.active, self.limits, model, n_layers, n_experts)
         if problem is not None:
             raise Reject("geometry_mismatch", problem)
 

@@ -7,8 +7,12 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import NoDecode
 
+from eldr.core.training.config import TrainerConfig
 from eldr.settings import CommonSettings, GeometrySettings, RoutingSettings
 from eldr.store.settings import StoreSettings
+
+DEFAULTS = TrainerConfig()
+"""The defaults of the fields that `TrainerConfig` carries are written there, once."""
 
 
 class TrainerSettings(CommonSettings, StoreSettings, GeometrySettings, RoutingSettings):
@@ -16,71 +20,71 @@ class TrainerSettings(CommonSettings, StoreSettings, GeometrySettings, RoutingSe
     shadow gate routes with (give the trainer the routers' values)."""
 
     trainer_workers: Annotated[tuple[str, ...], NoDecode] = Field(
-        default=(),
+        default=DEFAULTS.trainer_workers,
         description="Fixed decode-worker ids, comma-separated (ELDR_TRAINER_WORKERS=dw0,dw1). "
         "When set, refits use exactly these and load reports do not change the set; when "
         "empty, the live workers are those whose load report arrived within worker_ttl_s.",
     )
     worker_ttl_s: float = Field(
-        default=10.0,
+        default=DEFAULTS.worker_ttl_s,
         gt=0,
         description="A decode worker counts as live if it reported its load within this.",
     )
     window_max_samples: int = Field(
-        default=20_000,
+        default=DEFAULTS.window_max_samples,
         ge=1,
         description="Training window size: the newest this many requests (decisions with "
         "signatures). A refit holds them dense, prefill and decode: about 5 x N x layers x "
         "experts x 4 bytes at its peak (20,000 x 24 x 128: about 1.1 GB).",
     )
     window_max_age_s: float = Field(
-        default=1800.0,
+        default=DEFAULTS.window_max_age_s,
         gt=0,
         description="Training window age: older requests leave the window; at start the "
         "window is rebuilt by replaying this much of DECISIONS and PROFILES.",
     )
     min_samples: int = Field(
-        default=256,
+        default=DEFAULTS.min_samples,
         ge=1,
         description="A refit needs at least this many requests in the window (and at least "
         "one per worker); otherwise it is skipped with the reason.",
     )
     refit_interval_s: float = Field(
-        default=60.0,
+        default=DEFAULTS.refit_interval_s,
         ge=0,
         description="Scheduled refit period; 0 = only on request (`eldr refit`), drift and "
         "churn. A scheduled refit is skipped when no request entered the window since the "
         "last fit.",
     )
     model: str | None = Field(
-        default=None,
+        default=DEFAULTS.model,
         min_length=1,
         max_length=200,
         description="Model to fit partitions for; default: the model with the most "
         "requests in the window (Decision.model).",
     )
     seed: int = Field(
-        default=0,
+        default=DEFAULTS.seed,
         ge=0,
         description="Seed of every fit (stored with the version). Only the trainer's: the "
         "routers' tie-break seed is router_seed.",
     )
     transform: Literal["idf", "raw"] = Field(
-        default="idf", description="Signature transform: counts x IDF, or raw counts."
+        default=DEFAULTS.transform, description="Signature transform: counts x IDF, or raw counts."
     )
     layer_selection: Literal["greedy", "all"] = Field(
-        default="greedy",
+        default=DEFAULTS.layer_selection,
         description="MoE layers kept in signatures: forward-greedy against decode profiles, "
         "or all layers.",
     )
     min_profiled: int = Field(
-        default=64,
+        default=DEFAULTS.min_profiled,
         ge=2,
         description="Greedy layer selection needs this many requests with decode profiles; "
         "with fewer every layer is kept.",
     )
     reduce_dim: int = Field(
-        default=128,
+        default=DEFAULTS.reduce_dim,
         ge=0,
         description="K-means iterates in a projection to this many dimensions (0 = never).",
     )
@@ -92,7 +96,7 @@ class TrainerSettings(CommonSettings, StoreSettings, GeometrySettings, RoutingSe
         default=5.0, gt=0, description="Timeout of one database connection attempt."
     )
     write_lock_timeout_s: float = Field(
-        default=30.0,
+        default=DEFAULTS.write_lock_timeout_s,
         gt=0,
         description="How long a refit waits for another trainer's write to finish.",
     )
@@ -102,37 +106,37 @@ class TrainerSettings(CommonSettings, StoreSettings, GeometrySettings, RoutingSe
         description="Bound on rebuilding the window from the streams at start.",
     )
     shadow_gate: bool = Field(
-        default=True,
+        default=DEFAULTS.shadow_gate,
         description="Promote a scheduled or drift-triggered refit only if a shadow "
         "evaluation on held-out recent requests predicts a lower expert union than the "
         "active version's; otherwise store it as rejected and keep the active version.",
     )
     shadow_gate_requests: bool = Field(
-        default=False,
+        default=DEFAULTS.shadow_gate_requests,
         description="Also gate refits an operator asked for (`eldr refit`); by default "
         "those are promoted (the shadow result is not computed).",
     )
     shadow_min_gain: float = Field(
-        default=0.0,
+        default=DEFAULTS.shadow_min_gain,
         ge=0.0,
         lt=1.0,
         description="A candidate must lower the modelled union by more than this fraction.",
     )
     shadow_holdout_fraction: float = Field(
-        default=0.2,
+        default=DEFAULTS.shadow_holdout_fraction,
         gt=0.0,
         lt=1.0,
         description="Share of the window's requests (by a hash of the request id) held out "
         "of gated fits: the shadow evaluation and the drift baseline use them.",
     )
     shadow_min_requests: int = Field(
-        default=32,
+        default=DEFAULTS.shadow_min_requests,
         ge=1,
         description="Held-out requests a shadow evaluation needs (with decode profiles; "
         "else their prefill counts stand in); fewer: the candidate is rejected.",
     )
     shadow_batch: float = Field(
-        default=0.0,
+        default=DEFAULTS.shadow_batch,
         ge=0.0,
         description="Per-worker batch the shadow evaluation models; 0 = the mean in-flight "
         "requests per live worker from load reports, at least 8.",
@@ -143,55 +147,55 @@ class TrainerSettings(CommonSettings, StoreSettings, GeometrySettings, RoutingSe
         "routers' profile, routing_profile); if both are set they must agree.",
     )
     drift_detection: bool = Field(
-        default=True,
+        default=DEFAULTS.drift_detection,
         description="Watch how recent requests sit against the active version and refit "
         "early when they drift from its baseline.",
     )
     drift_window: int = Field(
-        default=512, ge=1, description="Recent requests the drift monitor keeps."
+        default=DEFAULTS.drift_window, ge=1, description="Recent requests the drift monitor keeps."
     )
     drift_min_samples: int = Field(
-        default=128,
+        default=DEFAULTS.drift_min_samples,
         ge=1,
         description="Requests the drift monitor needs before a verdict (and to set the "
         "baseline of a version fitted without held-out requests).",
     )
     drift_max_similarity_drop: float = Field(
-        default=0.05,
+        default=DEFAULTS.drift_max_similarity_drop,
         gt=0.0,
         description="Drift when the recent mean best-centroid cosine falls this far below "
         "the baseline.",
     )
     drift_max_skew_rise: float = Field(
-        default=0.2,
+        default=DEFAULTS.drift_max_skew_rise,
         gt=0.0,
         description="Drift when the recent nearest-centroid occupancy skew (total variation "
         "from uniform) rises this far above the baseline.",
     )
     drift_min_gap_s: float = Field(
-        default=30.0,
+        default=DEFAULTS.drift_min_gap_s,
         ge=0.0,
         description="At most one drift-triggered refit per this many seconds.",
     )
     drift_fit_max_age_s: float = Field(
-        default=300.0,
+        default=DEFAULTS.drift_fit_max_age_s,
         gt=0.0,
         description="A drift-triggered refit fits on the requests of the last this many "
         "seconds only (older ones are what drifted away), if there are enough.",
     )
     churn_refit: bool = Field(
-        default=True,
+        default=DEFAULTS.churn_refit,
         description="Refit when the live decode workers differ from the active version's.",
     )
     churn_settle_s: float = Field(
-        default=5.0,
+        default=DEFAULTS.churn_settle_s,
         ge=0.0,
         description="Wait until the live worker set has not changed for this long before a "
         "churn refit (workers joining together give one refit).",
     )
 
     max_workers: int = Field(
-        default=1024,
+        default=DEFAULTS.max_workers,
         ge=1,
         le=4096,
         description="Decode workers the trainer keeps as live at most (reports of further "
@@ -201,7 +205,7 @@ class TrainerSettings(CommonSettings, StoreSettings, GeometrySettings, RoutingSe
         "minutes). Keep it the routers' max_workers.",
     )
     fit_timeout_s: float = Field(
-        default=300.0,
+        default=DEFAULTS.fit_timeout_s,
         gt=0,
         description="A refit's fit (calibration, balanced K-means, alignment, shadow "
         "evaluation) is abandoned after this long and counted as an error at stage fit; "

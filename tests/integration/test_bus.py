@@ -549,7 +549,6 @@ def partition_blob() -> PartitionBlob:
         centroids=NdArray.from_numpy(centroids),
         owners=[0, 1],
         workers=["d0", "d1"],
-        prices=None,
         metrics={"inertia": 1.5},
     )
 

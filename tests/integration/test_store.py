@@ -92,7 +92,6 @@ def make_record(
         idf=rng.random((num_moe_layers, num_experts)).astype(np.float32)
         if optional_arrays
         else None,
-        prices=rng.random(num_centroids).astype(np.float32) if optional_arrays else None,
         metrics={"inertia": 1.25, "cluster_sizes": [334, 333, 333], "balanced": True},
         parent_version=parent_version,
         note="first fit",
@@ -146,6 +145,24 @@ def test_upgrade_after_downgrade_restores_the_schema(db_url: str) -> None:
     assert migrate.check(db_url) == []
 
 
+def test_the_prices_column_goes_and_comes_back_with_the_rows(db_url: str) -> None:
+    """0002 drops the never-written prices column in place: rows stay, on both backends."""
+    migrate.upgrade(db_url)
+    engine = repo.make_engine(db_url, poolclass=NullPool)
+    sessions = repo.make_session_factory(engine)
+    try:
+        with sessions.begin() as session:
+            version = repo.create_version(session, make_record())
+        migrate.downgrade(db_url, "0001")
+        assert "prices" in {c["name"] for c in inspect(engine).get_columns("partition_versions")}
+        migrate.upgrade(db_url)
+        assert migrate.check(db_url) == []
+        with sessions() as session:
+            assert repo.get(session, version).centroids.shape == (6, 16)
+    finally:
+        engine.dispose()
+
+
 # --- round trip -----------------------------------------------------------------------------
 
 
@@ -164,9 +181,6 @@ def test_round_trip_preserves_every_field_and_array(sessions: sessionmaker[Sessi
     assert record.idf is not None
     np.testing.assert_array_equal(stored.idf, record.idf)
     assert stored.idf.shape == (4, 8)
-    assert stored.prices is not None
-    assert record.prices is not None
-    np.testing.assert_array_equal(stored.prices, record.prices)
     for name in (
         "model",
         "transform",
@@ -193,7 +207,6 @@ def test_round_trip_without_optional_arrays(sessions: sessionmaker[Session]) -> 
     with sessions() as session:
         stored = repo.get(session, version)
     assert stored.idf is None
-    assert stored.prices is None
 
 
 def test_new_version_is_a_candidate_stamped_in_utc(sessions: sessionmaker[Session]) -> None:

@@ -412,7 +412,7 @@ def test_postgres_writers_take_turns_and_numbers_match_blobs(pg_url: str, namesp
     try:
         holder = sessions()
         holder.begin()
-        partition_writer._take_write_lock(holder, timeout_s=5)
+        partition_writer.take_write_lock(holder, timeout_s=5)
         with pytest.raises(partition_writer.WriteLockTimeoutError):
             write_active_version(
                 sessions,

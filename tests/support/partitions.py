@@ -7,26 +7,16 @@ import time
 
 from eldr.bus import Bus
 from eldr.core.partition.partition import Partition
-from eldr.partitions.codec import blob_sha256, partition_to_blob
-from eldr.wire import PartitionAnnouncement
+from eldr.partitions.announce import announce_version
+from eldr.partitions.writer import blob_for_version
 
 
 async def announce(bus: Bus, p: Partition) -> None:
     """Store `p`'s blob and announce it as the active version (the topology must exist)."""
-    blob = partition_to_blob(p)
-    ns = bus.subjects.namespace
-    ref = await bus.object_put(f"{ns}-partitions", f"v{p.version}", blob)
-    assert ref.sha256 == blob_sha256(blob)
-    await bus.js_publish(
-        bus.subjects.partition_active,
-        PartitionAnnouncement(
-            version=p.version,
-            model=p.model,
-            object_name=f"v{p.version}",
-            sha256=ref.sha256,
-            created_ts_s=time.time(),
-            k=p.k,
-            dim=p.calibration.dim,
-            workers=list(p.workers),
-        ),
+    await announce_version(
+        bus,
+        blob_for_version(p, p.version),
+        bucket=f"{bus.subjects.namespace}-partitions",
+        subject=bus.subjects.partition_active,
+        created_ts_s=time.time(),
     )

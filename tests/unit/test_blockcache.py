@@ -10,18 +10,17 @@ from hypothesis import strategies as st
 from eldr.core.signature.blockcache import (
     ENTRY_OVERHEAD_BYTES,
     BlockCache,
-    SparseBlock,
     stored_nbytes,
 )
-from eldr.core.signature.blocks import to_sparse
+from eldr.core.signature.sparse import SparseRow
 
 DIM = 12
 
 
-def block(cells: dict[int, int], dim: int = DIM) -> SparseBlock:
+def block(cells: dict[int, int], dim: int = DIM) -> SparseRow:
     idx = np.array(sorted(cells), dtype=np.uint32)
     val = np.array([cells[i] for i in sorted(cells)], dtype=np.uint16)
-    return SparseBlock(idx=idx, val=val, dim=dim)
+    return SparseRow((1, dim), idx, val)
 
 
 def one_cell_size() -> int:
@@ -36,26 +35,25 @@ def dense_blocks(draw: st.DrawFn, dim: int = DIM) -> np.ndarray:
     return np.array(values, dtype=np.uint16)
 
 
-def sparse(dense: np.ndarray) -> SparseBlock:
-    idx, val = to_sparse(dense)
-    return SparseBlock(idx=idx, val=val, dim=dense.size)
+def sparse(dense: np.ndarray) -> SparseRow:
+    return SparseRow.from_dense(dense.reshape(1, -1))
 
 
 def test_nbytes_counts_payload_and_overhead() -> None:
     b = block({1: 3, 5: 2})
-    assert b.nbytes == 2 * 4 + 2 * 2 + ENTRY_OVERHEAD_BYTES
+    assert stored_nbytes(b) == 2 * 4 + 2 * 2 + ENTRY_OVERHEAD_BYTES
 
 
 def test_dense_blocks_are_stored_in_the_smaller_dense_form() -> None:
     dense = block({i: 2 for i in range(DIM)})
-    assert stored_nbytes(dense) == DIM + ENTRY_OVERHEAD_BYTES < dense.nbytes
+    assert stored_nbytes(dense) == DIM + ENTRY_OVERHEAD_BYTES < dense.nbytes + ENTRY_OVERHEAD_BYTES
     sparse_block = block({3: 1})
-    assert stored_nbytes(sparse_block) == sparse_block.nbytes
+    assert stored_nbytes(sparse_block) == sparse_block.nbytes + ENTRY_OVERHEAD_BYTES
 
 
 def test_counts_over_255_stay_sparse() -> None:
     wide = block({i: 300 for i in range(DIM)})
-    assert stored_nbytes(wide) == wide.nbytes
+    assert stored_nbytes(wide) == wide.nbytes + ENTRY_OVERHEAD_BYTES
 
 
 @settings(max_examples=60, deadline=None)
@@ -227,12 +225,12 @@ def test_invalid_sparse_block_is_refused(
     idx: list[int], val: list[int], dim: int, match: str
 ) -> None:
     with pytest.raises(ValueError, match=match):
-        SparseBlock(idx=np.array(idx, dtype=np.uint32), val=np.array(val, dtype=np.uint16), dim=dim)
+        SparseRow((1, dim), np.array(idx, dtype=np.uint32), np.array(val, dtype=np.uint16))
 
 
 def test_signed_indices_are_refused() -> None:
     with pytest.raises(ValueError, match="unsigned"):
-        SparseBlock(idx=np.array([-1, 2]), val=np.array([1, 1], dtype=np.uint16), dim=8)
+        SparseRow((1, 8), np.array([-1, 2]), np.array([1, 1], dtype=np.uint16))
 
 
 def test_non_positive_budget_is_refused() -> None:
@@ -243,9 +241,9 @@ def test_non_positive_budget_is_refused() -> None:
 # --- who wrote what (issue 15, finding 7) --------------------------------------------------
 
 
-def _block(cells: dict[int, int], dim: int = 8) -> SparseBlock:
+def _block(cells: dict[int, int], dim: int = 8) -> SparseRow:
     idx = np.array(sorted(cells), dtype=np.uint32)
-    return SparseBlock(idx=idx, val=np.array([cells[i] for i in sorted(cells)], np.uint16), dim=dim)
+    return SparseRow((1, dim), idx, np.array([cells[i] for i in sorted(cells)], np.uint16))
 
 
 def test_a_first_writer_cannot_pre_empt_another_writers_truth() -> None:

@@ -19,15 +19,14 @@ from eldr.core.signature.blocks import (
     BlockSummary,
     block_hash,
     block_top_k,
-    from_sparse,
     hash_chain,
     hash_key_from_secret,
     stand_in_token_ids,
     sum_summaries,
     summarize_blocks,
-    to_sparse,
     trace_token_ids,
 )
+from eldr.core.signature.sparse import SparseRow
 from eldr.core.workload.trace import RequestTrace, expert_counts
 
 # block_hash(None, 0..15) and the next block 16..31 chained to it. These constants pin the
@@ -250,48 +249,19 @@ def test_sum_summaries_rejects_mismatched_shapes() -> None:
     )
 )
 def test_sparse_round_trip(counts: np.ndarray) -> None:
-    idx, val = to_sparse(counts)
-    assert idx.dtype == np.uint32
-    assert val.dtype == np.uint16
-    assert np.all(val > 0)
-    assert np.all(np.diff(idx.astype(np.int64)) > 0)
-    assert np.array_equal(from_sparse(idx, val, counts.shape), counts)
+    row = SparseRow.from_dense(counts)
+    assert row.idx.dtype == np.uint32
+    assert row.val.dtype == np.uint16
+    assert np.all(row.val > 0)
+    assert np.all(np.diff(row.idx.astype(np.int64)) > 0)
+    out = np.zeros(counts.size, dtype=np.uint32)
+    row.add_to(out)
+    assert np.array_equal(out.reshape(counts.shape), counts)
 
 
-def test_from_sparse_uint32_dtype() -> None:
-    out = from_sparse([1], [70_000], (2, 2), dtype=np.uint32)
-    assert out.dtype == np.uint32
-    assert out.tolist() == [[0, 70_000], [0, 0]]
-
-
-def test_from_sparse_rejects_index_out_of_range() -> None:
-    with pytest.raises(ValueError, match=r"out of range \[0, 4\)"):
-        from_sparse([4], [1], (2, 2))
-
-
-def test_from_sparse_rejects_duplicate_indices() -> None:
-    with pytest.raises(ValueError, match="unique"):
-        from_sparse([1, 1], [1, 2], (2, 2))
-
-
-def test_from_sparse_rejects_length_mismatch() -> None:
-    with pytest.raises(ValueError, match="2 sparse indices but 1 values"):
-        from_sparse([0, 1], [1], (2, 2))
-
-
-def test_from_sparse_rejects_value_too_large_for_dtype() -> None:
-    with pytest.raises(ValueError, match="65535"):
-        from_sparse([0], [70_000], (2, 2))
-
-
-def test_from_sparse_rejects_non_1d() -> None:
-    with pytest.raises(ValueError, match="1-D"):
-        from_sparse([[0]], [[1]], (2, 2))
-
-
-def test_to_sparse_rejects_negative_counts() -> None:
-    with pytest.raises(ValueError, match="65535"):
-        to_sparse(np.array([[-1, 0]], dtype=np.int32))
+def test_sparse_rows_refuse_negative_counts() -> None:
+    with pytest.raises(ValueError, match="non-negative"):
+        SparseRow.from_dense(np.array([[-1, 0]], dtype=np.int32))
 
 
 def test_stand_in_token_ids_deterministic_and_in_range() -> None:
@@ -342,7 +312,8 @@ def test_every_summarised_block_is_consistent(top_k: int, n_tokens: int, seed: i
     ).astype(np.int16)
     full, partial = summarize_blocks(np.arange(n_tokens), prefill, 4, experts)
     for block in [*full, *([partial] if partial is not None else [])]:
-        idx, val = to_sparse(block.counts)
+        row = SparseRow.from_dense(block.counts)
+        idx, val = row.idx, row.val
         assert block_top_k(idx, val, layers, experts, block.n_tokens) == (top_k, "")
 
 

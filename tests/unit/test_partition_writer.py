@@ -145,7 +145,7 @@ def test_a_writer_waits_for_the_lock_holder(sessions: sessionmaker[Session]) -> 
     first = write(sessions, make_partition(0))
     holder = sessions()
     holder.begin()
-    partition_writer._take_write_lock(holder, timeout_s=5)
+    partition_writer.take_write_lock(holder, timeout_s=5)
     done = threading.Event()
     result: list[int] = []
 

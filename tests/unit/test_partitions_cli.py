@@ -4,9 +4,11 @@ tests/integration/test_deploy_entrypoints.py."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 from sqlalchemy import update
@@ -16,9 +18,12 @@ from eldr.core.partition.partition import Partition
 from eldr.core.signature.signature import Calibration
 from eldr.partitions.cli import ActivationError, activate_version
 from eldr.partitions.codec import blob_sha256
-from eldr.partitions.writer import write_active_version
+from eldr.partitions.writer import rebuild_stored, write_active_version
 from eldr.store import migrate, repo
 from eldr.store.models import PartitionStatus, PartitionVersion
+from eldr.wire import encode
+
+GOLDEN_BLOB_V1 = Path(__file__).parent / "golden" / "partition_blob.v1.msgpack"
 
 
 def make_partition(seed: int) -> Partition:
@@ -105,3 +110,25 @@ def test_a_version_whose_blob_cannot_be_reproduced_is_not_activated(
     with pytest.raises(ActivationError, match="hashes to"):
         activate_version(sessions, 1, note=None, lock_timeout_s=5)
     assert statuses(sessions) == {1: PartitionStatus.RETIRED, 2: PartitionStatus.ACTIVE}
+
+
+def test_a_version_stored_with_a_v1_blob_is_activated_with_its_v2_blob(
+    sessions: sessionmaker[Session],
+) -> None:
+    """A row written before PartitionBlob v2 holds the hash of its v1 blob (`prices` nil,
+    fields in the order of the v1 golden file); it is still activated, and announced with
+    the v2 blob and hash."""
+    with sessions() as session:
+        v2_blob = rebuild_stored(repo.get(session, 1)).blob
+    fields = msgspec.msgpack.decode(encode(v2_blob))
+    v1_order = msgspec.msgpack.decode(GOLDEN_BLOB_V1.read_bytes())
+    v1 = {k: 1 if k == "v" else fields.get(k) for k in v1_order}
+    assert v1["prices"] is None
+    v1_sha = hashlib.sha256(msgspec.msgpack.encode(v1)).hexdigest()
+    with sessions.begin() as session:
+        session.execute(
+            update(PartitionVersion).where(PartitionVersion.id == 1).values(blob_sha256=v1_sha)
+        )
+    rolled_back = activate_version(sessions, 1, note="rollback", lock_timeout_s=5)
+    assert rolled_back.blob.v == 2
+    assert rolled_back.sha256 == blob_sha256(rolled_back.blob) != v1_sha

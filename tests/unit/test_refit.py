@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from eldr.core.routing.profile import DEFAULT_PROFILE, EldrCostProfile
+from eldr.core.signature.sparse import SparseRow
 from eldr.core.training.config import TrainerConfig
 from eldr.core.training.online import per_token_activation, promotion_verdict, shadow_evaluate
 from eldr.core.training.refit import (
@@ -20,7 +21,6 @@ from eldr.core.training.refit import (
     plan_refit,
     shadow_batch,
 )
-from eldr.core.training.trainwindow import SparseRow
 from eldr.core.workload.synthetic import SyntheticSpec, generate
 from eldr.core.workload.trace import expert_counts
 

@@ -61,6 +61,14 @@ def signal_case(
     return prefill.reshape(n, -1), decode.reshape(n, -1)
 
 
+def test_a_geometry_known_by_its_moe_layers_only() -> None:
+    g = ModelGeometry.of_moe(3, 16, top_k=2)
+    assert (g.num_layers, g.moe_layers, g.num_experts, g.top_k) == (3, (0, 1, 2), 16, 2)
+    assert g.signature_dim == 48
+    with pytest.raises(ValueError, match="top_k"):
+        ModelGeometry.of_moe(3, 16, top_k=17)
+
+
 def test_idf_hand_computed() -> None:
     counts = np.array(
         [[1, 0, 2, 0], [0, 0, 3, 0], [1, 0, 0, 0]],

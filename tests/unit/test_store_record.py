@@ -79,7 +79,6 @@ def test_metrics_are_read_only() -> None:
         ({"layer_mask": np.array([1, 0])}, "bool"),
         ({"layer_mask": np.array([True])}, "bool"),
         ({"idf": np.ones(5, np.float32)}, "idf has 5 entries"),
-        ({"prices": np.ones(3, np.float32)}, "prices"),
         ({"metrics": {"x": float("nan")}}, "JSON"),
         ({"metrics": {"x": object()}}, "JSON"),
         ({"blob_sha256": SHA.upper()}, "lowercase hex"),

@@ -86,7 +86,12 @@ class FakeBus:
         return ObjectRef(bucket, name, len(data), hashlib.sha256(data).hexdigest())
 
     async def js_publish(
-        self, subject: str, message: Message, *, msg_id: str | None = None
+        self,
+        subject: str,
+        message: Message,
+        *,
+        msg_id: str | None = None,
+        timeout_s: float | None = None,
     ) -> PublishAck:
         if self.fail:
             raise BusError("bus down")

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eldr.core.training.trainwindow import LiveWorkers, SparseRow, TrainingWindow, pick_workers
+from eldr.core.signature.sparse import SparseRow
+from eldr.core.training.trainwindow import LiveWorkers, TrainingWindow, pick_workers
 
 SHAPE = (2, 4)
 
@@ -24,6 +25,15 @@ def test_sparse_row_round_trips_to_dense() -> None:
     out = np.zeros(8, dtype=np.float32)
     SparseRow.from_dense(dense).add_to(out)
     np.testing.assert_array_equal(out.reshape(SHAPE), dense)
+
+
+def test_sparse_row_takes_whole_float_counts_and_refuses_fractions() -> None:
+    """The bench's float32 count matrices become the same unsigned counts."""
+    row_ = SparseRow.from_dense(np.array([[0.0, 3.0], [1.0, 0.0]], dtype=np.float32))
+    assert (row_.idx.tolist(), row_.val.tolist(), row_.val.dtype) == ([1, 2], [3, 1], np.uint32)
+    for bad in (0.5, -1.0):
+        with pytest.raises(ValueError, match="whole"):
+            SparseRow.from_dense(np.array([[bad, 1.0]], dtype=np.float32))
 
 
 def test_sparse_row_rejects_an_index_outside_its_shape() -> None:

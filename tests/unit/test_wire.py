@@ -206,7 +206,6 @@ def canonical_messages() -> dict[type[Message], Message]:
             centroids=NdArray.from_numpy(np.eye(3, 2, dtype=f32)),
             owners=[0, 1, 1],
             workers=["decode-1", "decode-3"],
-            prices=NdArray.from_numpy(np.array([0.0, 0.25], dtype=f32)),
             metrics={"inertia": 12.5, "max_over_min": 1.0},
             projection=NdArray.from_numpy(np.ones((3, 2), dtype=f32)),
             projection_mean=NdArray.from_numpy(np.zeros(3, dtype=f32)),
@@ -760,12 +759,6 @@ def partition_blobs(draw: st.DrawFn) -> PartitionBlob:
             st.lists(st.integers(0, len(workers) - 1), min_size=n_centroids, max_size=n_centroids)
         ),
         workers=workers,
-        prices=draw(
-            st.none()
-            | hnp.arrays(np.float32, len(workers), elements=st.floats(-1, 1, width=32)).map(
-                NdArray.from_numpy
-            )
-        ),
         metrics=draw(st.dictionaries(ident, finite, max_size=3)),
     )
 

@@ -50,10 +50,10 @@ from eldr.core.routing.profile import (
     EldrCostProfile,
     ProfileBase,
 )
+from eldr.core.signature.sparse import SparseRow
 from eldr.core.training.config import TrainerConfig
 from eldr.core.training.online import DriftThresholds, partition_scores
 from eldr.core.training.refit import RefitSkipped, TrainerState, plan_refit
-from eldr.core.training.trainwindow import SparseRow
 from eldr.core.workload.sizing import rates_for_batch_targets
 from eldr.core.workload.trace import TraceSet, counts_matrix
 from eldr.data.profiles import DEFAULT_PROFILE_FOR_TRACES, load_catalog

@@ -61,11 +61,12 @@ from eldr.core.routing.profile import DEFAULT_PROFILE, as_routing_profile, profi
 from eldr.core.workload.synthetic import SyntheticSpec, generate
 from eldr.core.workload.trace import TraceSet, counts_matrix
 from eldr.dev.stack import SERVICES, Stack, StackConfig
-from eldr.partitions.codec import blob_sha256, partition_to_blob
+from eldr.partitions.announce import announce_version
+from eldr.partitions.writer import blob_for_version
 from eldr.progress import NO_PROGRESS, Progress
 from eldr.runtime import run_async
 from eldr.sim.traffic import ReplayConfig, TraceReplayer
-from eldr.wire import Decision, PartitionAnnouncement, RouterControl, RouterControlReply
+from eldr.wire import Decision, RouterControl, RouterControlReply
 
 log = logging.getLogger(__name__)
 
@@ -211,22 +212,12 @@ async def install_partition(bus: Bus, traces: TraceSet, workers: list[str], seed
     partition, _ = fit_partition(
         prefill, decode, traces.geometry, workers, version=1, model=MODEL, seed=seed
     )
-    blob = partition_to_blob(partition)
-    bucket = f"{bus.subjects.namespace}-partitions"
-    ref = await bus.object_put(bucket, "v1", blob)
-    assert ref.sha256 == blob_sha256(blob)
-    await bus.js_publish(
-        bus.subjects.partition_active,
-        PartitionAnnouncement(
-            version=1,
-            model=MODEL,
-            object_name="v1",
-            sha256=ref.sha256,
-            created_ts_s=time.time(),
-            k=partition.k,
-            dim=partition.calibration.dim,
-            workers=list(partition.workers),
-        ),
+    await announce_version(
+        bus,
+        blob_for_version(partition, partition.version),
+        bucket=f"{bus.subjects.namespace}-partitions",
+        subject=bus.subjects.partition_active,
+        created_ts_s=time.time(),
     )
     return partition.k
 

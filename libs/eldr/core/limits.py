@@ -26,6 +26,9 @@ DEFAULT_MAX_MOE_LAYERS = 128
 DEFAULT_MAX_EXPERTS = 1024
 DEFAULT_MAX_CELLS = 16_384
 """Layers x experts: a dense float64 matrix of this many cells is 128 KiB."""
+DEFAULT_MAX_WORKERS = 1024
+"""Default fleet size bound of a router's load table and the trainer's live workers (the
+wire allows 4,096 workers per decision)."""
 
 
 @dataclass(frozen=True)
@@ -45,9 +48,10 @@ class GeometryLimits:
             if n_layers < 1 or n_experts < 1:
                 raise ValueError(f"model {model!r}: geometry {n_layers} x {n_experts}")
 
-    def problem(self, model: str, n_layers: int, n_experts: int) -> str | None:
-        """Why a message of `model` declaring `n_layers` x `n_experts` is refused, or None."""
-        known = self.models.get(model)
+    def problem(self, model: str | None, n_layers: int, n_experts: int) -> str | None:
+        """Why a message of `model` declaring `n_layers` x `n_experts` is refused, or None.
+        A message that names no model (None) is held to the caps alone."""
+        known = None if model is None else self.models.get(model)
         if known is not None:
             if (n_layers, n_experts) != known:
                 return (
@@ -55,7 +59,7 @@ class GeometryLimits:
                     f"says {n_layers} x {n_experts}"
                 )
             return None
-        if self.only_listed:
+        if self.only_listed and model is not None:
             return f"model {model!r} is not one of the configured models"
         if n_layers > self.max_moe_layers:
             return f"{n_layers} MoE layers, more than the {self.max_moe_layers} configured"

@@ -25,35 +25,25 @@ announced, as printed); 2 bad arguments or unknown version.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 import uuid
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session, sessionmaker
 
     from eldr.bus import Bus, PublishAck
-    from eldr.wire import PartitionBlob
+    from eldr.partitions.writer import StoredVersion
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
-_LOCK_POLL_S = 0.05
 
 
 class ActivationError(RuntimeError):
     """The version cannot be activated as asked (unknown, rejected, not reproducible)."""
-
-
-@dataclass(frozen=True)
-class Activated:
-    version: int
-    model: str
-    retired: int | None
-    blob: PartitionBlob
-    sha256: str
 
 
 def register(subparsers: Any) -> None:
@@ -78,73 +68,41 @@ def register(subparsers: Any) -> None:
 
 def activate_version(
     sessions: sessionmaker[Session], version: int, *, note: str | None, lock_timeout_s: float
-) -> Activated:
-    """Activate `version` in the database and return the blob that belongs to it."""
-    from eldr.partitions.codec import partition_from_record
-    from eldr.partitions.writer import blob_for_version
+) -> StoredVersion:
+    """Activate `version` in the database and return it with the blob that belongs to it."""
+    from eldr.partitions.writer import rebuild_stored, take_write_lock
     from eldr.store import repo
 
     try:
         with sessions.begin() as session:
-            _take_trainer_write_lock(session, lock_timeout_s)
+            take_write_lock(session, lock_timeout_s)
             record = repo.get(session, version)
             # Rebuild and check before changing anything: a version whose blob cannot be
             # reproduced exactly would be refused by every router.
-            blob, _, sha = blob_for_version(partition_from_record(record, "exact"), version)
-            if sha != record.blob_sha256:
-                raise ActivationError(
-                    f"version {version}: the blob rebuilt from the database hashes to {sha}, "
-                    f"the row says {record.blob_sha256}; not activating it"
-                )
+            try:
+                stored = rebuild_stored(record)
+            except ValueError as exc:
+                raise ActivationError(f"{exc}; not activating it") from exc
             retired = repo.activate(session, version, note=note)
     except (repo.VersionNotFoundError, repo.InvalidTransitionError) as exc:
         raise ActivationError(str(exc)) from exc
-    return Activated(version, record.model, retired, blob, sha)
+    return dataclasses.replace(stored, retired=retired)
 
 
-def _take_trainer_write_lock(session: Session, timeout_s: float) -> None:
-    """The trainer's partition write lock (eldr.partitions.writer), on PostgreSQL; SQLite's
-    database write lock is taken by the activation's first write."""
-    from sqlalchemy import func, select
-
-    from eldr.partitions.writer import WriteLockTimeoutError, write_lock_key
-
-    if session.get_bind().dialect.name != "postgresql":
-        return
-    deadline = time.monotonic() + timeout_s
-    while not session.scalar(select(func.pg_try_advisory_xact_lock(write_lock_key()))):
-        if time.monotonic() >= deadline:
-            raise WriteLockTimeoutError(
-                f"the trainer's write lock is still held after {timeout_s:.1f} s"
-            )
-        time.sleep(_LOCK_POLL_S)
-
-
-async def announce(bus: Bus, activated: Activated, *, timeout_s: float) -> PublishAck:
+async def announce(bus: Bus, activated: StoredVersion, *, timeout_s: float) -> PublishAck:
     """Put the blob in the bucket and announce it (a new announcement even if this version
     was announced before: routers follow the newest one)."""
     from eldr.bus import build_topology
+    from eldr.partitions.announce import announce_version
     from eldr.settings import RetentionSettings
-    from eldr.wire import PartitionAnnouncement
 
     topology = build_topology(bus.settings.namespace, RetentionSettings())
-    name = f"v{activated.version}"
-    ref = await bus.object_put(topology.partitions_bucket, name, activated.blob)
-    if ref.sha256 != activated.sha256:
-        raise ActivationError(f"object {name} hashes to {ref.sha256}, expected {activated.sha256}")
-    blob = activated.blob
-    return await bus.js_publish(
-        bus.subjects.partition_active,
-        PartitionAnnouncement(
-            version=activated.version,
-            model=blob.model,
-            object_name=name,
-            sha256=activated.sha256,
-            created_ts_s=time.time(),
-            k=len(blob.workers),
-            dim=blob.centroids.shape[1],
-            workers=list(blob.workers),
-        ),
+    return await announce_version(
+        bus,
+        activated,
+        bucket=topology.partitions_bucket,
+        subject=bus.subjects.partition_active,
+        created_ts_s=time.time(),
         # Unique: the trainer's `partition-v{N}` id would make the server drop a
         # re-announcement within the duplicate window.
         msg_id=f"partition-v{activated.version}-activate-{uuid.uuid4().hex}",
@@ -191,8 +149,9 @@ def _cmd_activate(args: argparse.Namespace) -> int:
     return run_async(_announce_cli(activated, args.timeout))
 
 
-async def _announce_cli(activated: Activated, timeout_s: float) -> int:
+async def _announce_cli(activated: StoredVersion, timeout_s: float) -> int:
     from eldr.bus import Bus, BusError
+    from eldr.partitions.announce import BlobMismatchError
     from eldr.settings import BusSettings
 
     settings = BusSettings()
@@ -207,7 +166,7 @@ async def _announce_cli(activated: Activated, timeout_s: float) -> int:
         return EXIT_FAILED
     try:
         ack = await announce(bus, activated, timeout_s=timeout_s)
-    except (BusError, ActivationError) as exc:
+    except (BusError, BlobMismatchError) as exc:
         print(
             f"eldr partitions activate: stored but NOT announced: {exc}; run the command again",
             file=sys.stderr,

@@ -35,7 +35,6 @@ def partition_to_blob(p: Partition) -> PartitionBlob:
         centroids=NdArray.from_numpy(p.centroids),
         owners=[int(o) for o in p.owners],
         workers=list(p.workers),
-        prices=None if p.prices is None else NdArray.from_numpy(p.prices.astype(np.float32)),
         metrics={k: float(v) for k, v in p.metrics.items() if np.isfinite(v)},
     )
 
@@ -63,7 +62,6 @@ def partition_from_blob(blob: PartitionBlob, index_method: str = "auto") -> Part
         centroids=blob.centroids.to_numpy(),
         owners=np.asarray(blob.owners, dtype=np.int64),
         workers=tuple(blob.workers),
-        prices=None if blob.prices is None else blob.prices.to_numpy(),
         metrics=dict(blob.metrics),
         index_method=index_method,
     )
@@ -92,7 +90,6 @@ def partition_to_record(
         layer_mask=np.asarray(cal.layer_mask, dtype=bool),
         blob_sha256=sha256,
         idf=None if cal.idf is None else np.asarray(cal.idf, dtype=np.float32),
-        prices=None,
         metrics={k: float(v) for k, v in p.metrics.items() if np.isfinite(v)},
         parent_version=parent_version,
         note=note,

@@ -16,6 +16,7 @@ statement (other writers wait for SQLite's busy timeout). Both end with the tran
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import time
@@ -48,7 +49,8 @@ class VersionRaceError(RuntimeError):
 
 @dataclass(frozen=True)
 class StoredVersion:
-    """A version committed as active, with the exact blob that belongs to it."""
+    """A partition version with the exact blob that belongs to it (as stored, activated and
+    announced); `retired` is the version its activation retired, if any."""
 
     version: int
     retired: int | None
@@ -56,17 +58,53 @@ class StoredVersion:
     blob_bytes: bytes
     sha256: str
 
+    @property
+    def model(self) -> str:
+        return self.blob.model
+
 
 def write_lock_key() -> int:
     digest = hashlib.blake2b(WRITE_LOCK_NAME.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big", signed=True)
 
 
-def blob_for_version(partition: Partition, version: int) -> tuple[PartitionBlob, bytes, str]:
-    """The partition's blob stamped with `version`, its encoded bytes and their SHA-256."""
+def blob_for_version(
+    partition: Partition, version: int, retired: int | None = None
+) -> StoredVersion:
+    """`partition` as version `version`: its blob stamped with that number, the encoded
+    bytes and their SHA-256 (what the row stores and the announcement names)."""
     blob = msgspec.structs.replace(partition_to_blob(partition), version=version)
     data = encode(blob)
-    return blob, data, hashlib.sha256(data).hexdigest()
+    return StoredVersion(version, retired, blob, data, hashlib.sha256(data).hexdigest())
+
+
+def rebuild_stored(record: repo.PartitionRecord, retired: int | None = None) -> StoredVersion:
+    """A stored version with its blob rebuilt from its row; ValueError if the blob does not
+    hash as the row says (every router would refuse it)."""
+    if record.version is None:
+        raise ValueError("a stored partition record has a version")
+    stored = blob_for_version(partition_from_record(record, "exact"), record.version, retired)
+    if record.blob_sha256 not in (stored.sha256, _v1_sha256(stored.blob_bytes)):
+        raise ValueError(
+            f"version {record.version}: the blob rebuilt from the database hashes to "
+            f"{stored.sha256}, the row says {record.blob_sha256}"
+        )
+    return stored
+
+
+def _v1_sha256(data: bytes) -> str:
+    """The SHA-256 of the PartitionBlob v1 that a version stored before v2 was announced
+    with: the same fields, `prices` (always nil) after `workers` and `v` last. Such a row
+    holds that hash; its version is announced with the v2 blob and the v2 hash."""
+    fields: dict[str, object] = msgspec.msgpack.decode(data)
+    v1: dict[str, object] = {}
+    for key, value in fields.items():
+        if key != "v":
+            v1[key] = value
+        if key == "workers":
+            v1["prices"] = None
+    v1["v"] = 1
+    return hashlib.sha256(msgspec.msgpack.encode(v1)).hexdigest()
 
 
 def load_active(sessions: sessionmaker[Session], model: str) -> Partition | None:
@@ -176,14 +214,14 @@ def _write_once(
     activate: bool = True,
 ) -> StoredVersion:
     with sessions.begin() as session:
-        _take_write_lock(session, lock_timeout_s)
+        take_write_lock(session, lock_timeout_s)
         expected = _next_version(session)
-        blob, data, sha = blob_for_version(partition, expected)
+        stored = blob_for_version(partition, expected)
         record = partition_to_record(
             partition,
             seed=seed,
             n_train=n_train,
-            sha256=sha,
+            sha256=stored.sha256,
             parent_version=parent_version,
             note=note,
         )
@@ -196,10 +234,12 @@ def _write_once(
         else:
             repo.reject(session, version, note)
             retired = None
-    return StoredVersion(version, retired, blob, data, sha)
+    return dataclasses.replace(stored, retired=retired)
 
 
-def _take_write_lock(session: Session, timeout_s: float) -> None:
+def take_write_lock(session: Session, timeout_s: float) -> None:
+    """Take the partition write lock for the rest of `session`'s transaction (the module
+    docstring says how); WriteLockTimeoutError after `timeout_s` on PostgreSQL."""
     dialect = session.get_bind().dialect.name
     if dialect == "postgresql":
         deadline = time.monotonic() + timeout_s

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from eldr.core.limits import GeometryLimits
-from eldr.core.signature.blockcache import BlockCache, SparseBlock
+from eldr.core.signature.blockcache import BlockCache
 from eldr.core.signature.blocks import block_top_k
+from eldr.core.signature.sparse import SparseRow
 from eldr.wire import AssembleReply, AssembleRequest, BlockSummaryBatch, NdArray, SparseCounts
 from eldr.wire.base import MAX_MISSING_LISTED
 
@@ -192,7 +193,7 @@ class AssembleResult:
     """Exact number of blocks not found."""
 
 
-def _cacheable(counts: SparseCounts) -> SparseBlock | None:
+def _cacheable(counts: SparseCounts) -> SparseRow | None:
     """The cache entry of a block's counts; None if a count overflows uint16."""
     n_layers, n_experts = counts.shape
     values = counts.values()
@@ -200,7 +201,7 @@ def _cacheable(counts: SparseCounts) -> SparseBlock | None:
         if values.size and int(values.max()) > _U16_MAX:
             return None
         values = values.astype(np.uint16)
-    return SparseBlock(idx=counts.indices(), val=values, dim=n_layers * n_experts)
+    return SparseRow((n_layers, n_experts), counts.indices(), values)
 
 
 class SignatureState:
@@ -255,7 +256,7 @@ class SignatureState:
                 0,
                 f"already {len(self.geometries)} models; {batch.model!r} would be one more",
             )
-        entries: list[tuple[int, SparseBlock]] = []
+        entries: list[tuple[int, SparseRow]] = []
         top_k: int | None = None  # one model, one top-k: every block of the batch agrees
         for i, block in enumerate(batch.blocks):
             entry = _cacheable(block.counts)
@@ -337,9 +338,7 @@ class SignatureState:
         n_layers, n_experts = geometry
         partial_block = None
         if partial is not None:
-            partial_block = SparseBlock(
-                idx=partial.indices(), val=partial.values(), dim=n_layers * n_experts
-            )
+            partial_block = SparseRow((n_layers, n_experts), partial.indices(), partial.values())
         assembly = self.cache.assemble(
             request.model,
             hashes,

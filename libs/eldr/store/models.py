@@ -124,7 +124,6 @@ class PartitionVersion(Base):
     workers: Mapped[list[str]] = mapped_column(JSON)
     idf: Mapped[bytes | None] = mapped_column(LargeBinary)
     layer_mask: Mapped[bytes] = mapped_column(LargeBinary)
-    prices: Mapped[bytes | None] = mapped_column(LargeBinary)
     metrics: Mapped[dict[str, Any]] = mapped_column(JSON)
     parent_version: Mapped[int | None] = mapped_column(ForeignKey("partition_versions.id"))
     note: Mapped[str] = mapped_column(Text, default="")

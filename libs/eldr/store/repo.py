@@ -38,7 +38,6 @@ log = logging.getLogger(__name__)
 
 CENTROID_DTYPE = np.dtype(np.float32)
 IDF_DTYPE = np.dtype(np.float32)
-PRICE_DTYPE = np.dtype(np.float32)
 LAYER_MASK_DTYPE = np.dtype(np.bool_)
 
 MAX_MODEL_CHARS = 200
@@ -122,9 +121,8 @@ class PartitionRecord:
     the storage precision). owners[c] is the worker slot of centroid c, workers[slot] the
     worker id; k = len(workers). layer_mask: bool [num_moe_layers], the calibrated layers.
     idf: float32 with num_moe_layers * num_experts entries (any shape, kept), or None for
-    transforms without IDF. prices: float32 [num_centroids], per-cluster balancing prices,
-    or None. metrics: a JSON object (no NaN/inf). blob_sha256: lowercase hex SHA-256 of the
-    partition blob published to the object store.
+    transforms without IDF. metrics: a JSON object (no NaN/inf). blob_sha256: lowercase hex
+    SHA-256 of the partition blob published to the object store.
 
     `version`, `status` and `created_at` are filled in by the store: a new record leaves
     them at their defaults (created_at may be given; it defaults to the time of writing).
@@ -143,7 +141,6 @@ class PartitionRecord:
     layer_mask: np.ndarray
     blob_sha256: str
     idf: np.ndarray | None = None
-    prices: np.ndarray | None = None
     metrics: Mapping[str, Any] = field(default_factory=dict)
     parent_version: int | None = None
     note: str = ""
@@ -196,11 +193,6 @@ class PartitionRecord:
                     f"{self.num_moe_layers * self.num_experts}"
                 )
             object.__setattr__(self, "idf", idf)
-        if self.prices is not None:
-            prices = _float_array("prices", self.prices, PRICE_DTYPE)
-            if prices.shape != (centroids.shape[0],):
-                raise ValueError(f"prices must be [{centroids.shape[0]}], got {prices.shape}")
-            object.__setattr__(self, "prices", prices)
 
         metrics = dict(self.metrics)
         try:
@@ -309,7 +301,6 @@ def _to_row(record: PartitionRecord) -> PartitionVersion:
         workers=list(record.workers),
         idf=None if record.idf is None else _to_npy(record.idf),
         layer_mask=_to_npy(record.layer_mask),
-        prices=None if record.prices is None else _to_npy(record.prices),
         metrics=dict(record.metrics),
         parent_version=record.parent_version,
         note=record.note,
@@ -344,9 +335,6 @@ def _from_row(row: PartitionVersion) -> PartitionRecord:
         idf=None
         if row.idf is None
         else _from_npy(row.idf, version=row.id, name="idf", dtype=IDF_DTYPE),
-        prices=None
-        if row.prices is None
-        else _from_npy(row.prices, version=row.id, name="prices", dtype=PRICE_DTYPE),
         metrics=row.metrics,
         parent_version=row.parent_version,
         note=row.note,

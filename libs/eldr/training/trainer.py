@@ -51,8 +51,9 @@ from sqlalchemy import Engine, make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from eldr.bus import BusError, ObjectRef, PublishAck
+from eldr.bus import BusError
 from eldr.core.partition.partition import FitReport, Partition
+from eldr.core.signature.sparse import SparseRow
 from eldr.core.training.config import TrainerConfig as TrainerConfig  # the service's import
 from eldr.core.training.online import DriftBaseline, DriftMonitor, DriftStatus, ShadowResult
 from eldr.core.training.refit import (
@@ -65,13 +66,14 @@ from eldr.core.training.refit import (
     plan_refit,
     shadow_batch,
 )
-from eldr.core.training.trainwindow import LiveWorkers, SparseRow, TrainingWindow
+from eldr.core.training.trainwindow import LiveWorkers, TrainingWindow
+from eldr.partitions.announce import BlobMismatchError, PartitionBus, announce_version
 from eldr.partitions.codec import partition_from_record
 from eldr.partitions.writer import (
     StoredVersion,
     WriteLockTimeoutError,
-    blob_for_version,
     load_active,
+    rebuild_stored,
     write_active_version,
     write_rejected_version,
 )
@@ -234,14 +236,7 @@ class TrainerDatabase:
             if not infos:
                 return None
             record = repo.get(session, max(infos, key=lambda i: i.version).version)
-        assert record.version is not None
-        blob, data, sha = blob_for_version(partition_from_record(record, "exact"), record.version)
-        if sha != record.blob_sha256:
-            raise ValueError(
-                f"version {record.version}: rebuilt blob hashes to {sha}, "
-                f"the database has {record.blob_sha256}"
-            )
-        return StoredVersion(record.version, None, blob, data, sha)
+        return rebuild_stored(record)
 
     def close(self) -> None:
         if self._engine is not None:
@@ -249,18 +244,6 @@ class TrainerDatabase:
 
 
 # --- announcing --------------------------------------------------------------------------
-
-
-class PartitionBus(Protocol):
-    """The part of `eldr.bus.Bus` that announcing a version needs."""
-
-    async def object_put(self, bucket: str, name: str, message: Message) -> ObjectRef: ...
-
-    async def js_publish(
-        self, subject: str, message: Message, *, msg_id: str | None = None
-    ) -> PublishAck: ...
-
-    async def get_last(self, stream: str, subject: str, message_type: type[M]) -> M | None: ...
 
 
 class PartitionAnnouncer:
@@ -278,28 +261,13 @@ class PartitionAnnouncer:
         self.pending: StoredVersion | None = None
 
     async def announce(self, stored: StoredVersion) -> None:
-        blob = stored.blob
-        name = f"v{stored.version}"
         try:
-            ref = await self.bus.object_put(self.bucket, name, blob)
-            if ref.sha256 != stored.sha256:
-                # Encoding is deterministic; a mismatch is a bug, and routers would refuse it.
-                raise RefitFailed(
-                    "publish",
-                    f"object {name} hashes to {ref.sha256}, the database has {stored.sha256}",
-                )
-            await self.bus.js_publish(
-                self.subject,
-                PartitionAnnouncement(
-                    version=stored.version,
-                    model=blob.model,
-                    object_name=name,
-                    sha256=stored.sha256,
-                    created_ts_s=self.clock.time(),
-                    k=len(blob.workers),
-                    dim=blob.centroids.shape[1],
-                    workers=list(blob.workers),
-                ),
+            await announce_version(
+                self.bus,
+                stored,
+                bucket=self.bucket,
+                subject=self.subject,
+                created_ts_s=self.clock.time(),
                 msg_id=f"partition-v{stored.version}",
             )
         except BusError as exc:
@@ -309,15 +277,15 @@ class PartitionAnnouncer:
                 f"version {stored.version} is stored and active but could not be announced "
                 f"({exc}); the next refit announces it",
             ) from exc
-        except RefitFailed:
+        except BlobMismatchError as exc:
             self.pending = None  # retrying cannot help
-            raise
+            raise RefitFailed("publish", str(exc)) from exc
         self.pending = None
         log.info(
             "announced partition version %d of %s (%d workers, sha256 %s)",
             stored.version,
-            blob.model,
-            len(blob.workers),
+            stored.model,
+            len(stored.blob.workers),
             stored.sha256[:12],
         )
 

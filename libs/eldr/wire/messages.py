@@ -660,8 +660,12 @@ class PartitionAnnouncement(Message, frozen=True, tag="partition_announcement"):
     """Decode workers the partition assigns clusters to."""
 
 
-class PartitionBlob(Message, frozen=True, tag="partition_blob"):
-    """Everything a router needs to score a signature against a partition version."""
+class PartitionBlob(Message, frozen=True, kw_only=True, tag="partition_blob"):
+    """Everything a router needs to score a signature against a partition version.
+
+    v2 dropped v1's `prices` (per-worker score offsets, never set); decoding a v1 blob
+    ignores it.
+    """
 
     version: Version
     model: Ident
@@ -678,8 +682,6 @@ class PartitionBlob(Message, frozen=True, tag="partition_blob"):
     owners: Annotated[list[Count], msgspec.Meta(max_length=1 << 20)]
     """owners[m] is the index into `workers` of centroid m's worker."""
     workers: WorkerList
-    prices: NdArray | None
-    """float32 [len(workers)] per-worker score offsets from the balanced fit, if any."""
     metrics: Annotated[dict[Ident, FiniteFloat], msgspec.Meta(max_length=MAX_METRICS)]
     """Fit diagnostics (inertia, balance, iterations, ...)."""
     projection: NdArray | None = None
@@ -687,6 +689,7 @@ class PartitionBlob(Message, frozen=True, tag="partition_blob"):
     `projection_mean` and multiplied by this before scoring."""
     projection_mean: NdArray | None = None
     """float32 [D]."""
+    v: Version = 2
 
     def __post_init__(self) -> None:
         n_layers, n_experts = self.num_moe_layers, self.num_experts
@@ -714,11 +717,6 @@ class PartitionBlob(Message, frozen=True, tag="partition_blob"):
             all(o < len(self.workers) for o in self.owners),
             f"an owner index is >= the number of workers ({len(self.workers)})",
         )
-        if self.prices is not None:
-            require(
-                self.prices.dtype == "float32" and self.prices.shape == [len(self.workers)],
-                f"prices must be float32 [{len(self.workers)}], got {self.prices.shape}",
-            )
         if self.projection is not None:
             require(
                 self.projection.dtype == "float32"

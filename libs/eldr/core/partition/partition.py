@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
+from eldr.core.limits import GeometryLimits
 from eldr.core.partition.index import CentroidIndex
 from eldr.core.partition.kmeans import balanced_spherical_kmeans
 from eldr.core.signature.signature import (
@@ -54,7 +55,6 @@ class Partition:
     centroids: np.ndarray
     owners: np.ndarray
     workers: tuple[str, ...]
-    prices: np.ndarray | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     index_method: str = "auto"
     _index: CentroidIndex = field(init=False, repr=False)
@@ -201,6 +201,32 @@ OCCUPANCY_SKEW_METRIC = "drift_occupancy_skew"
 BASELINE_HELD_OUT_METRIC = "drift_baseline_held_out"
 """Keys of a fit's drift baseline in `Partition.metrics` (`eldr.core.training.online`); the last is
 1 when the baseline was measured on held-out requests, 0 on the training requests."""
+
+
+def geometry_problem(
+    active: Partition | None,
+    limits: GeometryLimits,
+    model: str | None,
+    n_layers: int,
+    n_experts: int,
+) -> str | None:
+    """Why counts of `model` shaped `n_layers` x `n_experts` must not be used, or None.
+
+    The active partition's geometry rules for its own model (counts of another shape
+    cannot be scored against it); any other model, or a message naming none, is held to
+    the configured `limits`. The router and the trainer both check with this, from the
+    geometry an event declares, before allocating anything of that shape.
+    """
+    if active is not None and model is not None and active.model == model:
+        cal = active.calibration
+        if (n_layers, n_experts) != (cal.num_moe_layers, cal.num_experts):
+            return (
+                f"partition version {active.version} of {model!r} is "
+                f"{cal.num_moe_layers} x {cal.num_experts}, the message says "
+                f"{n_layers} x {n_experts}"
+            )
+        return None
+    return limits.problem(model, n_layers, n_experts)
 
 
 def nearest_workers(partition: Partition, signatures: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -439,7 +465,6 @@ def fit_partition(
         centroids=fit.centroids,
         owners=mapping,
         workers=tuple(workers),
-        prices=None,
         metrics={},
     )
     tick()

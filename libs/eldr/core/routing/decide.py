@@ -48,7 +48,7 @@ from typing import NamedTuple
 import numpy as np
 
 from eldr.core.limits import GeometryLimits
-from eldr.core.partition.partition import Partition
+from eldr.core.partition.partition import Partition, geometry_problem
 from eldr.core.routing.activity import (
     DEFAULT_MAX_ENTRIES,
     DEFAULT_TTL_S,
@@ -529,18 +529,8 @@ class RouterCore:
 
     def geometry_problem(self, model: str, n_layers: int, n_experts: int) -> str | None:
         """Why counts of `model` shaped `n_layers` x `n_experts` are not this router's to
-        use, or None: the active partition's geometry for its model, else `limits`."""
-        partition = self.partition
-        if partition is not None and partition.model == model:
-            cal = partition.calibration
-            if (n_layers, n_experts) != (cal.num_moe_layers, cal.num_experts):
-                return (
-                    f"partition version {partition.version} of {model!r} is "
-                    f"{cal.num_moe_layers} x {cal.num_experts}, the message says "
-                    f"{n_layers} x {n_experts}"
-                )
-            return None
-        return self.limits.problem(model, n_layers, n_experts)
+        use, or None (`geometry_problem`: the active partition's, else `limits`)."""
+        return geometry_problem(self.partition, self.limits, model, n_layers, n_experts)
 
     @property
     def load_measure(self) -> LoadMeasure:

@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from eldr.core.limits import DEFAULT_MAX_WORKERS
+
 RECENT_ADMITTED_MAX = 4096
 """Per worker, how many recently admitted request ids are remembered, so that an assignment
 seen after the report that already admitted it is not counted twice."""
@@ -96,10 +98,6 @@ class Report:
     kv_capacity_tokens: int = 0
     admitted: tuple[str, ...] = ()
     draining: bool = False
-
-
-DEFAULT_MAX_WORKERS = 1024
-"""Default fleet size bound (the wire allows 4,096 workers per decision)."""
 
 
 class LoadTable:

@@ -35,6 +35,8 @@ from typing import Literal
 
 import numpy as np
 
+from eldr.core.signature.sparse import SparseRow
+
 ENTRY_OVERHEAD_BYTES = 160
 """Per-entry bookkeeping (key tuple, dict slot, small array headers), roughly, so that the
 byte budget bounds real memory rather than payload alone."""
@@ -43,52 +45,12 @@ _U8_MAX = int(np.iinfo(np.uint8).max)
 
 
 @dataclass(frozen=True)
-class SparseBlock:
-    """One block's counts over `dim` = moe_layers * experts cells.
-
-    idx: flat indices (unsigned integers, strictly ascending, < dim); val: one non-negative
-    integer count per index (uint16 for cached blocks; a request's partial block may carry
-    uint32). Checked on construction, so a block can always be added exactly: the indices
-    are unique, and a block encoded for another geometry is refused by `dim`, not summed
-    into the wrong cells.
-    """
-
-    idx: np.ndarray
-    val: np.ndarray
-    dim: int
-
-    def __post_init__(self) -> None:
-        if self.dim <= 0:
-            raise ValueError(f"dim must be positive, got {self.dim}")
-        if self.idx.ndim != 1 or self.val.ndim != 1 or self.idx.shape != self.val.shape:
-            raise ValueError(
-                f"idx and val must be 1-D and equally long, got {self.idx.shape} and "
-                f"{self.val.shape}"
-            )
-        if self.idx.size == 0:
-            return
-        if self.idx.dtype.kind != "u" or self.val.dtype.kind != "u":
-            raise ValueError(
-                f"idx and val must be unsigned integers, got {self.idx.dtype} and {self.val.dtype}"
-            )
-        if self.idx.size > 1 and not bool(np.all(self.idx[1:] > self.idx[:-1])):
-            raise ValueError("block indices must be strictly ascending")
-        if int(self.idx[-1]) >= self.dim:
-            raise ValueError(f"block index {int(self.idx[-1])} outside dimension {self.dim}")
-
-    @property
-    def nbytes(self) -> int:
-        """Size in the sparse form, overhead included."""
-        return int(self.idx.nbytes + self.val.nbytes) + ENTRY_OVERHEAD_BYTES
-
-
-@dataclass(frozen=True)
 class _Entry:
     """A cached block: exactly one of `sparse` and `dense` (uint8 [dim]) is set."""
 
-    dim: int
+    shape: tuple[int, int]
     nbytes: int
-    sparse: SparseBlock | None = None
+    sparse: SparseRow | None = None
     dense: np.ndarray | None = None
     writer: str = ""
     """Who published it (the batch's worker id; "" when unknown)."""
@@ -96,18 +58,29 @@ class _Entry:
     """Whether its writer is one of the trusted writers."""
 
     @classmethod
-    def of(cls, block: SparseBlock, writer: str = "", trusted: bool = False) -> _Entry:
+    def of(cls, block: SparseRow, writer: str = "", trusted: bool = False) -> _Entry:
         dense_nbytes = block.dim + ENTRY_OVERHEAD_BYTES
+        sparse_nbytes = block.nbytes + ENTRY_OVERHEAD_BYTES
         fits_u8 = block.val.size == 0 or int(block.val.max()) <= _U8_MAX
-        if fits_u8 and dense_nbytes < block.nbytes:
+        if fits_u8 and dense_nbytes < sparse_nbytes:
             dense = np.zeros(block.dim, dtype=np.uint8)
             dense[block.idx] = block.val
             return cls(
-                dim=block.dim, nbytes=dense_nbytes, dense=dense, writer=writer, trusted=trusted
+                shape=block.shape,
+                nbytes=dense_nbytes,
+                dense=dense,
+                writer=writer,
+                trusted=trusted,
             )
-        return cls(dim=block.dim, nbytes=block.nbytes, sparse=block, writer=writer, trusted=trusted)
+        return cls(
+            shape=block.shape, nbytes=sparse_nbytes, sparse=block, writer=writer, trusted=trusted
+        )
 
-    def same_counts(self, block: SparseBlock) -> bool:
+    @property
+    def dim(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def same_counts(self, block: SparseRow) -> bool:
         """Whether `block` holds the same counts as this entry."""
         if block.dim != self.dim:
             return False
@@ -117,21 +90,21 @@ class _Entry:
             and np.array_equal(mine.val.astype(np.uint32), block.val.astype(np.uint32))
         )
 
-    def to_sparse(self) -> SparseBlock:
+    def to_sparse(self) -> SparseRow:
         if self.sparse is not None:
             return self.sparse
         assert self.dense is not None
         idx = np.flatnonzero(self.dense).astype(np.uint32)
-        return SparseBlock(idx=idx, val=self.dense[idx].astype(np.uint16), dim=self.dim)
+        return SparseRow(self.shape, idx, self.dense[idx].astype(np.uint16))
 
     def add_to(self, counts: np.ndarray) -> None:
         if self.dense is not None:
             counts += self.dense
         elif self.sparse is not None:
-            _accumulate(counts, self.sparse)
+            self.sparse.add_to(counts)
 
 
-def stored_nbytes(block: SparseBlock) -> int:
+def stored_nbytes(block: SparseRow) -> int:
     """Bytes `block` takes in the cache (the smaller of its sparse and dense forms)."""
     return _Entry.of(block).nbytes
 
@@ -192,7 +165,7 @@ class BlockCache:
     def bytes_used(self) -> int:
         return self._bytes
 
-    def put(self, model: str, block_hash: int, block: SparseBlock) -> bool:
+    def put(self, model: str, block_hash: int, block: SparseRow) -> bool:
         """Insert (or refresh) a block of an unnamed writer; True when it was not cached
         before (`put_from` says more)."""
         return self.put_from(model, block_hash, block) == "new"
@@ -201,7 +174,7 @@ class BlockCache:
         self,
         model: str,
         block_hash: int,
-        block: SparseBlock,
+        block: SparseRow,
         *,
         writer: str = "",
         trusted: bool = False,
@@ -255,7 +228,7 @@ class BlockCache:
         if len(key) == 3:
             self.own_entries -= 1
 
-    def get(self, model: str, block_hash: int, writer: str | None = None) -> SparseBlock | None:
+    def get(self, model: str, block_hash: int, writer: str | None = None) -> SparseRow | None:
         """The block (`writer`'s own summary when it has one), refreshed as most recently
         used; None (a miss) if absent."""
         key = self._key_for(model, block_hash, writer)
@@ -280,7 +253,7 @@ class BlockCache:
         model: str,
         block_hashes: Sequence[int],
         dim: int,
-        partial: SparseBlock | None = None,
+        partial: SparseRow | None = None,
         *,
         writer: str | None = None,
     ) -> Assembly:
@@ -316,12 +289,5 @@ class BlockCache:
         for entry in found:
             entry.add_to(counts)
         if partial is not None:
-            _accumulate(counts, partial)
+            partial.add_to(counts)
         return Assembly(counts=counts, found=len(found), missing=tuple(missing))
-
-
-def _accumulate(counts: np.ndarray, block: SparseBlock) -> None:
-    # SparseBlock guarantees unique in-range indices, so fancy-index += is exact (and an
-    # order of magnitude faster than np.add.at).
-    if block.idx.size:
-        counts[block.idx] += block.val

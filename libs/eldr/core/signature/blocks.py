@@ -28,7 +28,7 @@ key (`eldr.settings.BlockHashSettings`); the empty key is the unkeyed hash.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -268,69 +268,6 @@ def sum_summaries(
     if total is None:
         raise ValueError("sum of no summaries needs an explicit shape")
     return total
-
-
-def to_sparse(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Sparse form of a count array: (uint32 flat indices ascending, uint16 nonzero values).
-
-    The flat index is into `counts.ravel()` (C order); `from_sparse` inverts it given the
-    shape.
-    """
-    arr = np.asarray(counts)
-    if arr.dtype.kind not in "iu":
-        raise ValueError(f"counts must be integers, got dtype {arr.dtype}")
-    if arr.size > _U32_MAX:
-        raise ValueError(f"counts has {arr.size} entries; flat indices must fit uint32")
-    flat = arr.ravel()
-    idx = np.flatnonzero(flat)
-    vals = flat[idx]
-    if vals.size and (int(vals.min()) < 0 or int(vals.max()) > _U16_MAX):
-        raise ValueError("counts must lie in [0, 65535] for the sparse uint16 encoding")
-    return idx.astype(np.uint32), vals.astype(np.uint16)
-
-
-def from_sparse(
-    idx: npt.ArrayLike,
-    val: npt.ArrayLike,
-    shape: Sequence[int],
-    dtype: type[np.unsignedinteger] = np.uint16,
-) -> np.ndarray:
-    """Dense counts from `to_sparse` output; validates what arrives from the wire.
-
-    dtype: np.uint16 (a block's counts) or np.uint32 (sums). Indices must be unique and
-    inside the shape; values non-negative integers that fit the dtype.
-    """
-    if dtype not in (np.uint16, np.uint32):
-        raise ValueError(f"dtype must be np.uint16 or np.uint32, got {dtype!r}")
-    shape_t = tuple(int(s) for s in shape)
-    if not shape_t or any(s < 0 for s in shape_t):
-        raise ValueError(f"invalid shape {shape_t}")
-    size = int(np.prod(shape_t))
-    idx_arr = np.asarray(idx)
-    val_arr = np.asarray(val)
-    if idx_arr.ndim != 1 or val_arr.ndim != 1:
-        raise ValueError(
-            f"sparse indices and values must be 1-D, got shapes {idx_arr.shape} and {val_arr.shape}"
-        )
-    if idx_arr.shape != val_arr.shape:
-        raise ValueError(f"{idx_arr.shape[0]} sparse indices but {val_arr.shape[0]} values")
-    if idx_arr.size and idx_arr.dtype.kind not in "iu":
-        raise ValueError(f"sparse indices must be integers, got dtype {idx_arr.dtype}")
-    if val_arr.size and val_arr.dtype.kind not in "iu":
-        raise ValueError(f"sparse values must be integers, got dtype {val_arr.dtype}")
-    out = np.zeros(shape_t, dtype=dtype)
-    if idx_arr.size == 0:
-        return out
-    if int(idx_arr.min()) < 0 or int(idx_arr.max()) >= size:
-        raise ValueError(f"sparse index out of range [0, {size}) for shape {shape_t}")
-    limit = int(np.iinfo(dtype).max)
-    if int(val_arr.min()) < 0 or int(val_arr.max()) > limit:
-        raise ValueError(f"sparse values must lie in [0, {limit}] for {np.dtype(dtype).name}")
-    idx64 = idx_arr.astype(np.int64)
-    if np.unique(idx64).shape[0] != idx64.shape[0]:
-        raise ValueError("sparse indices must be unique")
-    out.ravel()[idx64] = val_arr.astype(dtype)
-    return out
 
 
 def stand_in_token_ids(

@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
+from eldr.core.limits import DEFAULT_MAX_WORKERS
 from eldr.core.routing.profile import DEFAULT_PROFILE, ProfileBase
 
 
@@ -17,7 +18,7 @@ from eldr.core.routing.profile import DEFAULT_PROFILE, ProfileBase
 class TrainerConfig:
     """What the trainer (`eldr.training.trainer.Trainer`) and its refit plan are tuned by:
     the fields of the same names of the trainer service's settings (their descriptions are
-    there); the defaults are the settings' defaults."""
+    there). The defaults are written here only; the settings take theirs from here."""
 
     model: str | None = None
     trainer_workers: tuple[str, ...] = ()
@@ -49,7 +50,7 @@ class TrainerConfig:
     drift_fit_max_age_s: float = 300.0
     churn_refit: bool = True
     churn_settle_s: float = 5.0
-    max_workers: int = 1024
+    max_workers: int = DEFAULT_MAX_WORKERS
     fit_timeout_s: float = 300.0
 
     @classmethod

@@ -38,6 +38,7 @@ import numpy as np
 
 from eldr.core.partition.partition import FitReport, Partition, fit_partition
 from eldr.core.routing.profile import ProfileBase
+from eldr.core.signature.sparse import SparseRow
 from eldr.core.training.config import TrainerConfig
 from eldr.core.training.online import (
     DriftBaseline,
@@ -57,7 +58,6 @@ from eldr.core.training.trainwindow import (
     DecisionOutcome,
     FinishOutcome,
     ProfileOutcome,
-    SparseRow,
     TrainingSet,
     TrainingWindow,
     WindowSnapshot,
@@ -312,9 +312,9 @@ def plan_refit(
     )
     training = snapshot.training_set()
     L, E = snapshot.shape
-    # A window knows a model's MoE geometry only: every layer of its counts is a MoE layer,
-    # and a count per (token, layer) is one expert (top_k 1: what a signature is made of).
-    geometry = ModelGeometry(num_layers=L, moe_layers=tuple(range(L)), num_experts=E, top_k=1)
+    # A window knows a model's MoE geometry only, and a count per (token, layer) is one
+    # expert (top_k 1: what a signature is made of).
+    geometry = ModelGeometry.of_moe(L, E, top_k=1)
     ungated = ungated_because(previous, workers, selection.trigger, config)
     held = (
         np.zeros(training.n, dtype=bool)

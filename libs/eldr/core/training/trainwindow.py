@@ -28,39 +28,8 @@ from typing import Literal
 
 import numpy as np
 
-
-@dataclass(frozen=True)
-class SparseRow:
-    """A [num_moe_layers, num_experts] count matrix: flat row-major indices and values."""
-
-    shape: tuple[int, int]
-    idx: np.ndarray
-    val: np.ndarray
-
-    def __post_init__(self) -> None:
-        if self.idx.shape != self.val.shape or self.idx.ndim != 1:
-            raise ValueError(f"{self.idx.shape[0]} indices for {self.val.shape[0]} values")
-        if len(self.shape) != 2 or self.shape[0] <= 0 or self.shape[1] <= 0:
-            raise ValueError(f"shape must be [layers, experts], got {self.shape}")
-        if self.idx.size and int(self.idx.max()) >= self.shape[0] * self.shape[1]:
-            raise ValueError(f"an index is outside a {self.shape} matrix")
-
-    @classmethod
-    def from_dense(cls, counts: np.ndarray) -> SparseRow:
-        arr = np.asarray(counts)
-        if arr.ndim != 2:
-            raise ValueError(f"counts must be [layers, experts], got {arr.shape}")
-        flat = arr.reshape(-1)
-        idx = np.flatnonzero(flat).astype(np.uint32)
-        return cls((int(arr.shape[0]), int(arr.shape[1])), idx, flat[idx])
-
-    @property
-    def total(self) -> float:
-        return float(self.val.sum(dtype=np.float64))
-
-    def add_to(self, out: np.ndarray) -> None:
-        """Write the counts into a zeroed flat row `out` of length layers * experts."""
-        out[self.idx] = self.val
+from eldr.core.limits import DEFAULT_MAX_WORKERS
+from eldr.core.signature.sparse import SparseRow
 
 
 @dataclass(frozen=True)
@@ -318,7 +287,7 @@ class LiveWorkers:
     counts them) until one goes silent, so a forged fleet cannot grow a refit past it."""
 
     ttl_s: float
-    max_workers: int = 1024
+    max_workers: int = DEFAULT_MAX_WORKERS
     refused: int = 0
     _last_s: dict[str, float] = field(default_factory=dict)
     _draining: set[str] = field(default_factory=set)

@@ -42,6 +42,12 @@ class ModelGeometry:
         if not 0 < self.top_k <= self.num_experts:
             raise ValueError(f"top_k must be in [1, num_experts], got {self.top_k}")
 
+    @classmethod
+    def of_moe(cls, num_moe_layers: int, num_experts: int, top_k: int) -> ModelGeometry:
+        """The geometry of a model known by its MoE layers only (a count matrix, a capture
+        hook): every layer is a MoE layer."""
+        return cls(num_moe_layers, tuple(range(num_moe_layers)), num_experts, top_k)
+
     @property
     def num_moe_layers(self) -> int:
         return len(self.moe_layers)
