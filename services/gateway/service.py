@@ -43,10 +43,10 @@ from aiohttp import web
 
 from eldr.bus import BusError, Delivery, build_topology
 from eldr.bus.topology import DECISIONS, IDENTITY
+from eldr.core.workload.trace import ModelGeometry
 from eldr.roles.prefill import unavailable_prefill_done
 from eldr.roles.requester import DecisionWaiters, FinishTracker, InFlight
 from eldr.runtime import ServiceContext, service_main
-from eldr.vllm.capture import Geometry
 from eldr.vllm.gateway import (
     CaptureStates,
     SseRelay,
@@ -934,7 +934,7 @@ def _response_sources(s: GatewaySettings, prefills: list[str]) -> dict[str, Resp
         )
     if not s.gateway_model_key:
         raise ValueError("the routed_experts source needs ELDR_GATEWAY_MODEL_KEY")
-    geometry = Geometry(n_moe, n_experts, top_k)
+    geometry = ModelGeometry.of_moe(n_moe, n_experts, top_k)
     return response_sources(
         prefills,
         model_key=s.gateway_model_key,

@@ -11,8 +11,9 @@ import pytest
 
 from eldr.bus import Bus, Delivery, apply_topology
 from eldr.bus import Topology as BusTopology
+from eldr.core.workload.trace import ModelGeometry
 from eldr.settings import BusSettings
-from eldr.vllm.capture import CaptureConfig, CaptureState, Geometry, StepResult
+from eldr.vllm.capture import CaptureConfig, CaptureState, StepResult
 from eldr.vllm.publisher import BackgroundPublisher
 from eldr.wire import BlockSummaryBatch, Message, PrefillDone
 
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.integration
 
 
 def step(rid: str, n: int = 10) -> StepResult:
-    state = CaptureState(CaptureConfig("prefill-0", "m", 4, Geometry(2, 4, 1)))
+    state = CaptureState(CaptureConfig("prefill-0", "m", 4, ModelGeometry.of_moe(2, 4, 1)))
     rng = np.random.default_rng(0)
     state.add_request(rid, rng.integers(0, 100, n), 0, 0.0, request_id=rid)
     ids = rng.integers(0, 4, size=(n, 2, 1)).astype(np.int16)

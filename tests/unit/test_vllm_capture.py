@@ -8,11 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eldr.core.signature.blocks import sum_summaries, summarize_blocks
+from eldr.core.workload.trace import ModelGeometry
 from eldr.roles.prefill import LocalSummary
 from eldr.vllm.capture import (
     CaptureConfig,
     CaptureState,
-    Geometry,
     StepResult,
 )
 from eldr.vllm.plugin import base_request_id, vllm_version_supported
@@ -20,7 +20,7 @@ from eldr.wire import PrefillDone
 from eldr.wire.base import MAX_BLOCKS_PER_BATCH
 
 L, E, K = 3, 8, 2
-GEOMETRY = Geometry(L, E, K)
+GEOMETRY = ModelGeometry.of_moe(L, E, K)
 
 
 def state(block_size: int = 4, local_summary_bytes: int | None = None) -> CaptureState:

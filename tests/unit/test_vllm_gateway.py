@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from eldr.vllm.capture import Geometry
+from eldr.core.workload.trace import ModelGeometry
 from eldr.vllm.gateway import (
     CaptureStates,
     SseRelay,
@@ -84,7 +84,7 @@ def test_request_outcome_by_status(status: int, outcome: str) -> None:
 
 def test_one_response_source_per_prefill_instance() -> None:
     sources = response_sources(
-        ["p0", "p1"], model_key="m", block_size=16, geometry=Geometry(2, 8, 2)
+        ["p0", "p1"], model_key="m", block_size=16, geometry=ModelGeometry.of_moe(2, 8, 2)
     )
     assert sorted(sources) == ["p0", "p1"]
     assert sources["p1"].state.config.worker_id == "p1"

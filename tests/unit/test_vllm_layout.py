@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from eldr.vllm.capture import Geometry, invalid_rows_reason
+from eldr.core.workload.trace import ModelGeometry
+from eldr.vllm.capture import invalid_rows_reason
 from eldr.vllm.layout import LayoutError, StepLayout, runner_generation, step_layout
 
 
@@ -68,7 +69,7 @@ def test_a_layout_that_does_not_add_up_is_refused() -> None:
         StepLayout(("a",), np.array([-1]), np.array([0]))
 
 
-G = Geometry(num_moe_layers=3, num_experts=8, top_k=2)
+G = ModelGeometry.of_moe(num_moe_layers=3, num_experts=8, top_k=2)
 
 
 def rows(n: int, seed: int = 0) -> np.ndarray:

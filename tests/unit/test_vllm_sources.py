@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from eldr.core.signature.blocks import summarize_blocks
-from eldr.vllm.capture import CaptureConfig, Geometry
+from eldr.core.workload.trace import ModelGeometry
+from eldr.vllm.capture import CaptureConfig
 from eldr.vllm.moe_layers import moe_layer_ids, parse_layer_ids
 from eldr.vllm.sources import (
     LayerMap,
@@ -25,6 +26,7 @@ from eldr.vllm.sources import (
 )
 
 L, E, K, BS = 2, 8, 2, 4
+geometry = ModelGeometry.of_moe
 
 
 def npy_b64(array: np.ndarray) -> str:
@@ -45,7 +47,7 @@ def fake_response(n_prompt: int, *, chat: bool = False, seed: int = 0) -> tuple[
 
 
 def source() -> ResponseSource:
-    return ResponseSource(CaptureConfig("prefill-0", "m", BS, Geometry(L, E, K)))
+    return ResponseSource(CaptureConfig("prefill-0", "m", BS, ModelGeometry.of_moe(L, E, K)))
 
 
 @pytest.mark.parametrize("chat", [False, True])
@@ -140,7 +142,7 @@ def test_interleaved_dense_layers_are_skipped_in_either_layout(layout: str) -> N
     response = {
         "choices": [{"routed_experts": npy_b64(sent.astype(np.uint8)), "prompt_token_ids": tokens}]
     }
-    src = ResponseSource(CaptureConfig("p", "m", BS, Geometry(n_moe, E, K)), LayerMap.of(6, ids))
+    src = ResponseSource(CaptureConfig("p", "m", BS, geometry(n_moe, E, K)), LayerMap.of(6, ids))
     (done,) = src.from_response(response, "r", 1.0, 1.0).done
     full, partial = summarize_blocks(np.asarray(tokens), moe_rows, BS, E)
     assert done.computed is not None
@@ -153,7 +155,7 @@ def test_interleaved_dense_layers_are_skipped_in_either_layout(layout: str) -> N
 
 
 def test_a_layer_axis_of_neither_width_is_refused() -> None:
-    src = ResponseSource(CaptureConfig("p", "m", BS, Geometry(3, E, K)), LayerMap.of(6, [1, 3, 5]))
+    src = ResponseSource(CaptureConfig("p", "m", BS, geometry(3, E, K)), LayerMap.of(6, [1, 3, 5]))
     rows = np.zeros((5, 4, K), dtype=np.uint8)
     response = {"choices": [{"routed_experts": npy_b64(rows), "prompt_token_ids": [1] * 5}]}
     with pytest.raises(SourceError, match="6 hidden layers of which 3 are MoE"):
@@ -162,7 +164,7 @@ def test_a_layer_axis_of_neither_width_is_refused() -> None:
 
 def test_layer_maps_must_fit_the_geometry() -> None:
     with pytest.raises(ValueError, match="2 MoE layer ids for a model of 3"):
-        ResponseSource(CaptureConfig("p", "m", BS, Geometry(3, E, K)), LayerMap.of(6, [1, 3]))
+        ResponseSource(CaptureConfig("p", "m", BS, geometry(3, E, K)), LayerMap.of(6, [1, 3]))
     with pytest.raises(ValueError, match="must ascend"):
         LayerMap.of(4, [3, 1])
     with pytest.raises(ValueError, match="must ascend"):

@@ -11,13 +11,12 @@ import numpy as np
 import pytest
 from vllm_support import SKIP_REASON
 
-from eldr.core.workload.trace import expert_counts
-from eldr.vllm.capture import Geometry
+from eldr.core.workload.trace import ModelGeometry, expert_counts
 from eldr.vllm.layout import StepLayout
 
 torch = pytest.importorskip("torch", reason=SKIP_REASON)
 
-G = Geometry(num_moe_layers=3, num_experts=8, top_k=2)
+G = ModelGeometry.of_moe(num_moe_layers=3, num_experts=8, top_k=2)
 
 
 def profiles(max_requests: int = 4) -> object:

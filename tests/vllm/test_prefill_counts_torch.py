@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 from vllm_support import SKIP_REASON
 
-from eldr.vllm.capture import CaptureConfig, CaptureState, Geometry, segment_counts
+from eldr.core.workload.trace import ModelGeometry
+from eldr.vllm.capture import CaptureConfig, CaptureState, segment_counts
 
 torch = pytest.importorskip("torch", reason=SKIP_REASON)
 
-G = Geometry(num_moe_layers=3, num_experts=8, top_k=2)
+G = ModelGeometry.of_moe(num_moe_layers=3, num_experts=8, top_k=2)
 BS = 4
 
 

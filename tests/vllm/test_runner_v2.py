@@ -29,8 +29,8 @@ import numpy as np
 import pytest
 from vllm_support import SKIP_REASON
 
-from eldr.core.workload.trace import expert_counts
-from eldr.vllm.capture import EXPERT_ROW_DTYPE, CaptureConfig, CaptureState, Geometry
+from eldr.core.workload.trace import ModelGeometry, expert_counts
+from eldr.vllm.capture import EXPERT_ROW_DTYPE, CaptureConfig, CaptureState
 from eldr.vllm.layout import StepLayout, step_layout
 
 pytest.importorskip("vllm.version", reason=SKIP_REASON)
@@ -48,7 +48,7 @@ from vllm.v1.worker.gpu.model_runner import ExecuteModelState
 from vllm.v1.worker.gpu_input_batch import CachedRequestState
 from vllm.v1.worker.gpu_input_batch import InputBatch as V1Batch
 
-GEOMETRY = Geometry(num_moe_layers=3, num_experts=8, top_k=2)
+GEOMETRY = ModelGeometry.of_moe(num_moe_layers=3, num_experts=8, top_k=2)
 BLOCK = 4
 CPU = torch.device("cpu")
 GRAPH_SIZES = (8, 16, 32)

@@ -100,10 +100,11 @@ def step_cost(reps: int = 25) -> dict[str, float]:
 
     torch = importlib.import_module("torch")
 
-    from eldr.vllm.capture import CaptureConfig, CaptureState, Geometry
+    from eldr.core.workload.trace import ModelGeometry
+    from eldr.vllm.capture import CaptureConfig, CaptureState
     from eldr.vllm.prefill_counts import SegmentCounter
 
-    g, bs, n = Geometry(48, 128, 8), 16, 2048
+    g, bs, n = ModelGeometry.of_moe(48, 128, 8), 16, 2048
     rng = np.random.default_rng(0)
     rows = np.argsort(rng.random((n, 48, 128)), axis=2)[:, :, :8].astype(np.int32)
     buffer = torch.from_numpy(rows)

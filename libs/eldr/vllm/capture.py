@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from eldr.core.signature.blocks import COUNT_DTYPE, hash_chain
+from eldr.core.workload.trace import ModelGeometry
 from eldr.roles.prefill import (
     DEFAULT_LOCAL_SUMMARY_BYTES,
     LocalSummaries,
@@ -70,28 +71,13 @@ UNSET = -1
 
 
 @dataclass(frozen=True)
-class Geometry:
-    """What the hook learned from the model: MoE layers, experts per layer, top-k."""
-
-    num_moe_layers: int
-    num_experts: int
-    top_k: int
-
-    def __post_init__(self) -> None:
-        if min(self.num_moe_layers, self.num_experts, self.top_k) < 1:
-            raise ValueError(f"geometry must be positive, got {self}")
-        if self.num_experts > np.iinfo(EXPERT_ROW_DTYPE).max:
-            raise ValueError(f"{self.num_experts} experts do not fit int16 expert ids")
-
-
-@dataclass(frozen=True)
 class CaptureConfig:
     worker_id: str
     """The prefill worker's subject token."""
     model: str
     """Model name the block cache is keyed by (identical on every prefill worker)."""
     block_size: int
-    geometry: Geometry
+    geometry: ModelGeometry
     hash_key: bytes = b""
     """The deployment's block-hash key (`eldr.settings.BlockHashSettings`; empty: unkeyed)."""
     local_summary_bytes: int = DEFAULT_LOCAL_SUMMARY_BYTES
@@ -140,7 +126,7 @@ class RequestCapture:
     computed_total: np.ndarray = field(init=False, repr=False)
     """uint32 [L, E]: counts of the full blocks emitted so far."""
     block_size: int = 0
-    geometry: Geometry | None = None
+    geometry: ModelGeometry | None = None
     rows: list[tuple[np.ndarray, np.ndarray]] | None = None
     """(positions, expert ids) of every computed row, kept only for the debug dump."""
 
@@ -242,7 +228,7 @@ class StepPlan:
         return bool(self.segments or self.blocks or self.done)
 
 
-def segment_counts(plan: StepPlan, expert_ids: np.ndarray, geometry: Geometry) -> np.ndarray:
+def segment_counts(plan: StepPlan, expert_ids: np.ndarray, geometry: ModelGeometry) -> np.ndarray:
     """int64 [segments, L, E + 1] from the step's rows (int [rows, L, k]): per segment,
     layer and expert the rows routed there; column E counts ids outside [0, E) (-1: a
     layer that did not write). What the device computes in the plugin, on the host: one
@@ -267,7 +253,7 @@ def segment_counts(plan: StepPlan, expert_ids: np.ndarray, geometry: Geometry) -
     return counts.reshape(plan.n_segments, g.num_moe_layers, width)
 
 
-def invalid_counts_reason(counts: np.ndarray, geometry: Geometry) -> str | None:
+def invalid_counts_reason(counts: np.ndarray, geometry: ModelGeometry) -> str | None:
     """Why a step's segment counts (uint [S, L, E + 1]) cannot be trusted, or None: some
     row of some layer carried no valid expert id (column E), i.e. a layer did not write
     (rows start at -1) or wrote an id outside [0, E)."""
@@ -330,7 +316,7 @@ class StepResult:
 
 
 def invalid_rows_reason(
-    expert_ids: np.ndarray, spans: Sequence[tuple[int, int]], geometry: Geometry
+    expert_ids: np.ndarray, spans: Sequence[tuple[int, int]], geometry: ModelGeometry
 ) -> str | None:
     """Why the captured rows `expert_ids[lo:hi]` of each span (the prompt rows of the
     requests being captured) cannot be trusted, or None: every MoE layer wrote every row

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from eldr.vllm.capture import Geometry
+from eldr.core.workload.trace import ModelGeometry
 from eldr.vllm.layout import StepLayout
 
 
@@ -88,7 +88,7 @@ class DecodeProfiles:
     """
 
     def __init__(
-        self, geometry: Geometry, *, max_requests: int, max_rows: int, device: Any
+        self, geometry: ModelGeometry, *, max_requests: int, max_rows: int, device: Any
     ) -> None:
         if max_requests < 1 or max_rows < 1:
             raise ValueError("max_requests and max_rows must be positive")

@@ -27,7 +27,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from eldr.vllm.capture import CaptureConfig, Geometry
+from eldr.core.workload.trace import ModelGeometry
+from eldr.vllm.capture import CaptureConfig
 from eldr.vllm.sources import LayerMap, ResponseSource
 from eldr.wire import CaptureStatus
 from eldr.wire.messages import FinishReason
@@ -38,7 +39,7 @@ def response_sources(
     *,
     model_key: str,
     block_size: int,
-    geometry: Geometry,
+    geometry: ModelGeometry,
     layers: LayerMap | None = None,
     hash_key: bytes = b"",
 ) -> dict[str, ResponseSource]:

@@ -69,11 +69,11 @@ from typing import Any
 
 import numpy as np
 
+from eldr.core.workload.trace import ModelGeometry
 from eldr.roles.prefill import unavailable_prefill_done
 from eldr.vllm.capture import (
     CaptureConfig,
     CaptureState,
-    Geometry,
     RequestCapture,
     StepPlan,
     invalid_counts_reason,
@@ -175,7 +175,7 @@ class CaptureStates:
         self.steps_rejected = 0
         self.errors = 0
         """Exceptions caught in the capture path (each turns capture off)."""
-        self.geometry: Geometry | None = None
+        self.geometry: ModelGeometry | None = None
         self.model: str | None = None
         self.runner: str | None = None
         self.kv_connector: str | None = None
@@ -337,7 +337,7 @@ class CaptureHook:
         """Steps whose counts are on their way to the host, in step order."""
         self._drainer = _Drainer(self)
         self.decode: DecodeProfiles | None = None
-        self.geometry: Geometry | None = None
+        self.geometry: ModelGeometry | None = None
         self.in_step = False
         """Set while a wrapped execute_model runs (a nested call does not capture twice)."""
         states.runner = type(runner).__name__
@@ -437,7 +437,7 @@ class CaptureHook:
                 "decode", "speculative decoding: decode rows would include rejected drafts"
             )
 
-    def _bind_routers(self, runner: Any) -> Geometry:
+    def _bind_routers(self, runner: Any) -> ModelGeometry:
         modules = _moe_modules(runner.get_model())
         if not modules:
             raise CaptureRefused("the model has no MoE layer")
@@ -454,7 +454,7 @@ class CaptureHook:
         experts = {int(m.router.global_num_experts) for _, m in modules}
         if len(top_k) != 1 or len(experts) != 1:
             raise CaptureRefused(f"MoE layers differ in top-k {top_k} or experts {experts}")
-        geometry = Geometry(len(modules), experts.pop(), top_k.pop())
+        geometry = ModelGeometry.of_moe(len(modules), experts.pop(), top_k.pop())
         torch = importlib.import_module("torch")
         max_tokens = int(runner.scheduler_config.max_num_batched_tokens)
         self.buffer = torch.full(
@@ -473,7 +473,7 @@ class CaptureHook:
     def _capture_fn(self, moe_index: int, top_k: int) -> Callable[[Any], None]:
         return capture_callback(self.buffer, moe_index, top_k, self.callback_errors)
 
-    def _start_decode_profiles(self, runner: Any, geometry: Geometry) -> None:
+    def _start_decode_profiles(self, runner: Any, geometry: ModelGeometry) -> None:
         slots = self.settings.vllm_max_decode_requests or 2 * int(
             runner.scheduler_config.max_num_seqs
         )

@@ -31,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from eldr.vllm.capture import Geometry, StepPlan, segment_counts
+from eldr.core.workload.trace import ModelGeometry
+from eldr.vllm.capture import StepPlan, segment_counts
 
 
 @dataclass
@@ -98,7 +99,7 @@ class SegmentCounter:
 
     def __init__(
         self,
-        geometry: Geometry,
+        geometry: ModelGeometry,
         *,
         max_rows: int,
         max_segments: int,
