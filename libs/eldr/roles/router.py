@@ -1,12 +1,13 @@
 """A router replica's event handling: what each input does to its tables, and its record.
 
 A replica keeps a load table and an activity table (`RouterCore`) fed by load reports, every
-replica's decisions, the gateways' finish events and a periodic expiry; each PrefillDone
-ends in one `Decision` record, an assignment or an expired one. `RouterEvents` applies each
-input to a `RouterCore` and says what happened (for the caller's metrics and logs);
-`decision_of` builds the record. The router service (services/router: live and at its
-start-up rebuild) and the simulator's replicas (`eldr.sim.information.RouterReplica`) call
-these, at the times the events reach them (monotonic seconds, passed in).
+replica's decisions, the gateways' finish events and a periodic expiry, and routes with the
+profile an operator switches it to; each PrefillDone ends in one `Decision` record, an
+assignment or an expired one. `RouterEvents` applies each input to a `RouterCore` and says
+what happened (for the caller's metrics and logs); `decision_of` builds the record. The
+router service (services/router: live and at its start-up rebuild) and the simulator's
+replicas (`eldr.sim.information.RouterReplica`) call these at the times the events reach
+them (monotonic seconds, passed in).
 """
 
 from __future__ import annotations
