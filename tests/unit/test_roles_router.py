@@ -80,6 +80,22 @@ def test_the_prefix_hits_come_from_the_service_and_add_to_what_the_prefill_compu
     assert (got.counts == 4).all()
 
 
+def test_an_event_with_neither_asks_for_every_block_and_its_partial_one() -> None:
+    service = Service(ones())
+    partial = SparseCounts.from_dense(ones())
+    run(event(partial=partial), service)
+    assert [(r.block_hashes, r.partial) for r in service.asked] == [([11, 12], partial)]
+
+
+def test_a_prompt_shorter_than_a_block_is_its_partial_block() -> None:
+    got = run(
+        event(block_hashes=[], n_prompt_tokens=1, partial=SparseCounts.from_dense(ones())),
+        Service(),
+    )
+    assert (got.source, got.error) == ("partial_only", None)
+    assert run(event(block_hashes=[], n_prompt_tokens=1), Service()).error == "empty_signature"
+
+
 def test_a_failed_fetch_routes_load_only_and_says_why() -> None:
     got = run(event(), Service(fail="signature_timeout"))
     assert (got.counts, got.missing_blocks, got.error) == (None, 2, "signature_timeout")

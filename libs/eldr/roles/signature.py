@@ -1,8 +1,9 @@
 """Signature assembly: where a prefilled request's expert counts come from.
 
-The one place that chooses between the event's own signature (its prefill worker held a
-summary of every block it took from its prefix cache), what the prefill computed (no
-prefix hit: that is all of it), and the signature service's sum over the blocks the event
+The one place that acts on where the event says its counts are (`PrefillDone.signature_source`):
+the event's own signature (its prefill worker held a summary of every block it took from its
+prefix cache), what the prefill computed (no prefix hit: that is all of it), the partial block
+of a prompt shorter than one block, or the signature service's sum over the blocks the event
 names (the prefix-cache hits plus `computed`, or every block plus `partial` from a producer
 that sends neither). The router service calls it for every PrefillDone.
 
@@ -81,29 +82,31 @@ async def assemble(
         # shape is allocated (a 329-byte event declaring 256 x 65,536 took every router to
         # over 1 GiB); the request is decided load-only.
         return _none("geometry_mismatch")
-    if msg.signature is not None:
+    source = msg.signature_source
+    if source == "event":
         # Local first: the prefill worker summed its own summaries of the cached blocks
         # (the wire checked the shape against the geometry checked above).
+        assert msg.signature is not None
         return Assembled(msg.signature.to_dense(np.uint32), 0, None, "event")
-    if msg.computed is not None:
-        computed = msg.computed.to_dense(np.uint32)
-        cached = msg.block_hashes[: msg.cached_prefix_blocks]
-        if not cached:
-            return Assembled(computed, 0, None, "computed")  # nothing from a prefix cache
-        if not may_fetch:
-            return _none("no_signature", len(cached))
-        got = await _fetch(msg, cached, None, fetch, wait_ms)
-        if got.counts is None:
-            return got
-        return Assembled(got.counts + computed, got.missing_blocks, None, "service", True)
-    if not msg.block_hashes:
+    if source == "computed":
+        assert msg.computed is not None  # and nothing came from a prefix cache
+        return Assembled(msg.computed.to_dense(np.uint32), 0, None, "computed")
+    if source == "partial_only":
         # A prompt shorter than one block: its partial block is the whole signature.
-        if msg.partial is None:
-            return _none("empty_signature")
+        assert msg.partial is not None
         return Assembled(msg.partial.to_dense(np.uint32), 0, None, "partial_only")
+    if source == "none":
+        return _none("empty_signature")
+    # "service": the prefix-cache hits, to add to what the prefill computed; or, from a
+    # producer that sent neither, every block and the partial one.
+    computed = None if msg.computed is None else msg.computed.to_dense(np.uint32)
+    blocks = msg.block_hashes if computed is None else msg.block_hashes[: msg.cached_prefix_blocks]
     if not may_fetch:
-        return _none("no_signature", len(msg.block_hashes))
-    return await _fetch(msg, msg.block_hashes, msg.partial, fetch, wait_ms)
+        return _none("no_signature", len(blocks))
+    got = await _fetch(msg, blocks, msg.partial if computed is None else None, fetch, wait_ms)
+    if computed is None or got.counts is None:
+        return got
+    return Assembled(got.counts + computed, got.missing_blocks, None, "service", True)
 
 
 async def _fetch(
