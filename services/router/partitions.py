@@ -1,6 +1,6 @@
 """The router's partition loader: the newest announced version, loaded off the request path.
 
-Announcements arrive on `partitions.active` (replayed from the stream at start, then live);
+Announcements arrive on `partitions.active` (read back from the stream at start, then live);
 the loader fetches the newest one's blob, builds its index in a thread and swaps it into the
 `RouterCore`. A failed load (the blob not there yet, a transient error, a corrupt blob) is
 retried with backoff until it succeeds or a newer announcement replaces it; meanwhile the
