@@ -6,13 +6,15 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from eldr.bus.metrics import LATENCY_BUCKETS_S
-from eldr.core.routing.decide import FALLBACK_REASONS
+from eldr.core.routing.decide import FALLBACK_REASONS, RouterCore
+
+from .load_metrics import LoadTableCollector
 
 
 class RouterMetrics:
     def __init__(self, registry: CollectorRegistry, policy: str) -> None:
         """`policy`: the policy this replica starts with (its label set is pre-created)."""
-        r = registry
+        r = self.registry = registry
         self.decisions = Counter(
             "eldr_router_decisions_total",
             "Decisions committed by this replica, by policy and fallback reason.",
@@ -148,3 +150,10 @@ class RouterMetrics:
         # Pre-create the bounded label sets so dashboards see zeros.
         for reason in ("none", *FALLBACK_REASONS):
             self.decisions.labels(policy, reason)
+
+    def watch(self, core: RouterCore) -> None:
+        """Read `core`'s load and activity tables at scrape time."""
+        self.registry.register(LoadTableCollector(core.table, core.activity))
+        activity = core.activity
+        self.activity_requests.set_function(lambda: len(activity))
+        self.activity_bytes.set_function(lambda: activity.nbytes)

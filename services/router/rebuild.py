@@ -9,8 +9,9 @@ one decode lifetime (issue 23). So before `setup` starts consuming, `rebuild` re
 1. FINISHED over the activity lifetime (`activity_ttl_s`): the requests that left their
    worker (and where "moved" ones went), kept as a set of ids, at most `max_requests`;
 2. DECISIONS over the same lifetime (the `DecisionAssignment` view): every assignment not
-   finished is counted against its worker through `RouterCore.note_assignment`, dated by
-   its commit (the stream's timestamp) so it expires when it would have;
+   finished is counted against its worker as the live replica counts one
+   (`eldr.roles.router.RouterEvents.count_experts`), dated by its commit (the stream's
+   timestamp) so it expires when it would have;
 3. the finishes of the last `pending_ttl_s` into the load table
    (`RouterCore.note_finished`), so a late echo of their decisions is not counted.
 
@@ -28,12 +29,12 @@ import logging
 import time
 from dataclasses import dataclass
 
-import numpy as np
 from prometheus_client import CollectorRegistry, Gauge
 
 from eldr.bus import Bus, BusError, Delivery, ReadBack, Topology
 from eldr.bus.topology import DECISIONS, FINISHED, IDENTITY
 from eldr.core.routing.decide import RouterCore
+from eldr.roles.router import RouterEvents
 from eldr.runtime import ServiceContext
 from eldr.wire import DecisionAssignment, RequestFinished
 
@@ -150,6 +151,7 @@ async def rebuild(
     deadline = started + timeout_s
     since_s = wall_now - lifetime_s
     result = Rebuilt()
+    events = RouterEvents(core)
 
     def monotonic_at(ts_s: float | None) -> float:
         """A stored message's wall-clock time on this process's monotonic clock."""
@@ -172,16 +174,8 @@ async def rebuild(
         rid = msg.request_id
         if not msg.assigned or msg.signature is None or rid in finishes.ids:
             return
-        layers, experts = msg.signature.shape
-        if core.geometry_problem(msg.model, layers, experts) is not None:
-            return
-        core.note_assignment(
-            finishes.moved.get(rid, msg.worker_id),
-            rid,
-            msg.signature.to_dense(np.uint32),
-            msg.prompt_tokens or 0,
-            monotonic_at(delivery.timestamp_s),
-        )
+        worker_id = finishes.moved.get(rid, msg.worker_id)
+        events.count_experts(msg, worker_id, monotonic_at(delivery.timestamp_s))
 
     complete = False
     try:

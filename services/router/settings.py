@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import zlib
 from typing import Literal, Self
 
+import numpy as np
 from pydantic import Field, model_validator
 
 from eldr.core.limits import DEFAULT_MAX_WORKERS
 from eldr.core.routing.activity import DEFAULT_MAX_ENTRIES, DEFAULT_TTL_S
+from eldr.core.routing.decide import RouterCore
+from eldr.core.routing.loadtable import LoadTable
 from eldr.settings import CommonSettings, GeometrySettings, RoutingSettings
 from eldr.wire.base import MAX_SCORES, MAX_WORKERS
 from eldr.wire.messages import decision_bytes_bound
@@ -148,3 +152,22 @@ class RouterSettings(CommonSettings, GeometrySettings, RoutingSettings):
                 "max_payload_bytes, and NATS' max_payload, everywhere)"
             )
         return self
+
+    def router_core(self) -> RouterCore:
+        """A replica's routing state as these settings configure it; its tie-break seed is
+        `router_seed` with the instance id (each replica draws its own)."""
+        table = LoadTable(
+            stale_after_s=self.stale_after_s,
+            pending_ttl_s=self.pending_ttl_s,
+            max_workers=self.max_workers,
+        )
+        return RouterCore(
+            self.routing_profile,
+            table,
+            np.random.default_rng([self.router_seed, zlib.crc32(self.instance_id.encode())]),
+            max_scores=self.max_scores,
+            activity_ttl_s=self.activity_ttl_s,
+            activity_slack=self.activity_slack,
+            activity_max_entries=self.activity_max_entries,
+            limits=self.geometry_limits(),
+        )

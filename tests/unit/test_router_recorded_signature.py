@@ -7,8 +7,8 @@ import time
 
 import numpy as np
 
+from eldr.roles.signature import recorded_signature
 from eldr.wire import PrefillDone, SparseCounts
-from eldr_services.router.service import recorded_signature
 
 L, E = 2, 4
 

@@ -24,9 +24,9 @@ in flight there. A live router replica (services/router) knows less:
 `InformationModel` holds these numbers; `eldr.sim.cluster.simulate(information=...)` runs
 each replica on the live router's own state: a `RouterCore` with its `LoadTable` and
 `ActivityTable` (`eldr.core.routing.decide`, `eldr.core.routing.loadtable`,
-`eldr.core.routing.activity`), fed the same events (`on_report`, `on_assignment`,
-`note_assignment`, `note_finished`, the expiry loop's `expire` / `bound_activity`) at the
-simulated times they would reach it.
+`eldr.core.routing.activity`), fed the same events through the router's own handling
+(`eldr.roles.router.RouterEvents`: load reports, decisions, finishes, the periodic expiry)
+at the simulated times they would reach it.
 
 `LIVE_DEFAULTS` are the live settings and hop latencies measured on the local stack (each
 number's source is in its field's docstring); `InformationModel.perfect()` with all delays
@@ -48,6 +48,7 @@ from eldr.core.routing.decide import RouterCore
 from eldr.core.routing.loadtable import LoadTable, Report
 from eldr.core.routing.pipeline import Policy
 from eldr.core.routing.profile import RoundRobinProfile
+from eldr.roles.router import RouterEvents
 
 Split = Literal["random", "alternate"]
 SPLITS: tuple[Split, ...] = ("random", "alternate")
@@ -60,7 +61,7 @@ instance's load, scraped from its /metrics."""
 DEMO_ROUTERS = 2
 """Router replicas of the local stack and the demo (`eldr.dev.stack.SERVICES`)."""
 ROUTER_EXPIRE_PERIOD_S = 0.25
-"""The router's expiry loop period (services/router/service.py `expire_loop`, with the
+"""The router's expiry period (services/router/service.py `expire_period_s`, with the
 default stale_after_s of 3 s)."""
 
 
@@ -181,6 +182,8 @@ class RouterReplica:
             np.random.default_rng(index),
             activity_slack=model.activity_slack,
         )
+        self.events = RouterEvents(self.core)
+        """What the live router does with each event (`eldr.roles.router`)."""
         self.decisions = 0
 
     @property
@@ -188,9 +191,8 @@ class RouterReplica:
         return self.core.table
 
     def on_report(self, report: Report, now_s: float) -> None:
-        """What the router service does with a load report (`on_load_report`)."""
-        if self.core.table.on_report(report, now_s):
-            self.core.bound_activity(report.worker_id)
+        """A load report reached this replica."""
+        self.events.on_report(report, now_s)
 
     def on_decision(
         self,
@@ -203,30 +205,14 @@ class RouterReplica:
         """A decision reached this replica (its own committed, or another's on the stream):
         pending on its worker, and its experts counted there. Another replica's decision
         carries no KV tokens (the live router counts them as 0)."""
-        core = self.core
-        core.table.on_assignment(worker_id, request_id, kv_tokens, now_s)
-        # `RouterCore.note_assignment` with the demand given (the live router computes the
-        # same one from the decision's counts; the simulator has it precomputed).
-        if (
-            demand is not None
-            and request_id not in core.activity
-            and not core.table.was_finished(request_id)
-        ):
-            core.activity.add(worker_id, request_id, demand, now_s)
-            core.bound_activity(worker_id)
+        self.events.on_assignment(worker_id, request_id, kv_tokens, demand, now_s)
 
     def on_finished(self, request_id: str, now_s: float) -> None:
-        self.core.note_finished(request_id, now_s)
+        self.events.on_finished(request_id, now_s)
 
     def expire(self, now_s: float) -> None:
-        """One pass of the router's expiry loop (`expire_loop`)."""
-        removed = self.core.table.expire(now_s)
-        activity = self.core.activity
-        for wid in removed:
-            activity.remove_worker(wid)
-        activity.expire(now_s)
-        for wid in list(activity.per_worker()):
-            self.core.bound_activity(wid)
+        """One pass of the router's periodic expiry."""
+        self.events.expire(now_s)
 
 
 def make_replicas(policy: Policy, model: InformationModel) -> list[RouterReplica]:

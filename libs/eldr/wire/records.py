@@ -1,16 +1,31 @@
 """Wire records built from the routing core's results: one home for what a router commits.
 
 `decision_record` turns a `RouteOutcome` (eldr.core.routing.decide) into the `Decision` a
-router publishes: the router service commits it, and tests and the benchmarks that need a
-router's records build them the same way.
+router publishes, an assignment or (`expired_outcome`) the record of a request whose
+requester stopped waiting: the router service commits it, and tests and the benchmarks that
+need a router's records build them the same way.
 """
 
 from __future__ import annotations
 
 from eldr.core.routing.decide import RouteOutcome
-from eldr.core.routing.profile import as_routing_profile
+from eldr.core.routing.profile import ProfileBase, as_routing_profile
 from eldr.wire.arrays import SparseCounts
-from eldr.wire.messages import Decision
+from eldr.wire.messages import NO_WORKER, Decision
+
+
+def expired_outcome(profile: ProfileBase) -> RouteOutcome:
+    """What a router records for a request whose requester stopped waiting (its event's
+    deadline passed): no worker (`NO_WORKER`), nothing read, routed with `profile`."""
+    return RouteOutcome(
+        worker_id=NO_WORKER,
+        profile=profile,
+        partition_version=None,
+        fallback=None,
+        scores=(),
+        band=(),
+        loads=(),
+    )
 
 
 def decision_record(
@@ -26,10 +41,11 @@ def decision_record(
     prompt_tokens: int | None,
     client_request_id: str | None = None,
 ) -> Decision:
-    """The `Decision` recording `outcome` (v4): the fleet where the decision read the whole
-    fleet, else its candidates with the live-worker count and the fleet's load totals; the
-    candidates' activity terms where the marginal-union scorer read them; the client's own
-    id for the request as a label (`client_request_id`)."""
+    """The `Decision` recording `outcome` (v4; an `expired_outcome` makes an "expired"
+    record): the fleet where the decision read the whole fleet, else its candidates with
+    the live-worker count and the fleet's load totals; the candidates' activity terms where
+    the marginal-union scorer read them; the client's own id for the request as a label
+    (`client_request_id`)."""
     considered = [tuple(row) for row in outcome.considered]
     partial = bool(considered) and not outcome.fleet
     return Decision(
@@ -54,5 +70,6 @@ def decision_record(
         considered=considered,  # type: ignore[arg-type]
         live_workers=outcome.live_workers if partial else None,
         fleet_totals=outcome.fleet_totals if partial else None,
+        outcome="expired" if outcome.worker_id == NO_WORKER else "assigned",
         client_request_id=client_request_id,
     )
