@@ -14,7 +14,14 @@ from eldr.core.routing.pipeline import FixedAssignment, FleetView
 from eldr.core.routing.profile import DEFAULT_PROFILE, PAPER_PROFILE, FixedAssignmentProfile
 from eldr.core.workload.synthetic import SyntheticSpec, generate
 from eldr.data.profiles import DEFAULT_PROFILE_FOR_TRACES, load_catalog
-from eldr.dev.compare import CHECKS, Measured, PolicyComparison, cuts
+from eldr.dev.compare import (
+    CHECKS,
+    LivePass,
+    Measured,
+    PolicyComparison,
+    cuts,
+    live_view_error,
+)
 from eldr.dev.demo import (
     BASELINES,
     DemoConfig,
@@ -167,3 +174,19 @@ def test_a_fixed_assignment_routes_each_decision_where_it_was_told() -> None:
     )
     rng = np.random.default_rng(0)
     assert [policy.choose(view, rng).index for _ in range(3)] == [2, 0, 2]
+
+
+def test_the_live_load_error_reads_only_the_workers_a_decision_listed() -> None:
+    live = LivePass(
+        policy="eldr_band_cost",
+        trace_index=np.array([0, 1]),
+        decided_s=np.array([0.0, 1.0]),
+        worker=np.array([0, 0]),
+        router=np.array([0, 0]),
+        # the second decision listed worker 0 only (its candidate), seeing 1 in flight
+        seen_in_flight=np.array([[0, 0], [1, -1]]),
+        finish_s=np.array([5.0, 6.0]),
+        delays={},
+        fallbacks={},
+    )
+    assert live_view_error(live) == 0.0

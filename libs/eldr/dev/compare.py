@@ -178,7 +178,8 @@ class LivePass:
     router: np.ndarray
     """int64: index of the replica that decided (routers sorted by id)."""
     seen_in_flight: np.ndarray
-    """int64 [requests, workers]: the in-flight counts the decision saw (`Decision.fleet`)."""
+    """int64 [requests, workers]: the in-flight counts the decision saw (`Decision.fleet`);
+    -1 for a worker it did not list (a fleet-scale profile records only its candidates)."""
     finish_s: np.ndarray
     """The request's last token at its worker (estimated, see `delays`), same clock."""
     delays: dict[str, float]
@@ -230,7 +231,7 @@ def build_pass(
         last_token = job_sent + report_hop + prof.tokens * prof.tpot_s * time_scale
         finish_s[i] = last_token - t0
         finish_lag.append(recv - last_token)
-    seen = np.zeros((n, decoders), dtype=np.int64)
+    seen = np.full((n, decoders), -1, dtype=np.int64)
     for i, (_, (d, _)) in enumerate(rows):
         for wid, in_flight, _kv in d.fleet:
             seen[i, _slot(wid)] = in_flight
@@ -278,9 +279,11 @@ def true_in_flight(live: LivePass) -> np.ndarray:
 
 
 def live_view_error(live: LivePass) -> float:
-    """Mean |in-flight the router saw - truly in flight| per worker over the decisions."""
+    """Mean |in-flight the router saw - truly in flight| per worker over the decisions,
+    over the workers each decision listed (a fleet-scale profile lists its candidates)."""
     truth = true_in_flight(live)
-    return float(np.abs(live.seen_in_flight - truth).mean())
+    listed = live.seen_in_flight >= 0
+    return float(np.abs(live.seen_in_flight - truth)[listed].mean()) if listed.any() else 0.0
 
 
 def split_pattern(router: np.ndarray) -> dict[str, Any]:
