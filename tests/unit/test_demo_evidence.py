@@ -4,6 +4,7 @@ replay of a fixed assignment."""
 
 from __future__ import annotations
 
+import argparse
 from types import SimpleNamespace
 from typing import Any
 
@@ -26,11 +27,13 @@ from eldr.dev.demo import (
     BASELINES,
     DemoConfig,
     FinishClock,
+    add_run_arguments,
     against_best_baseline,
     best_baselines,
     evaluation_draw,
     format_against_best,
     format_arrivals,
+    run_config_fields,
     with_baselines,
 )
 
@@ -190,3 +193,13 @@ def test_the_live_load_error_reads_only_the_workers_a_decision_listed() -> None:
         fallbacks={},
     )
     assert live_view_error(live) == 0.0
+
+
+def test_the_command_line_adds_the_baselines_and_can_draw_with_replacement() -> None:
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    args = parser.parse_args(["--with-replacement", "--profile", '{"policy": "eldr"}'])
+    fields = run_config_fields(args, DemoConfig.policies)
+    assert fields["arrivals_apart"] is False
+    assert tuple(p.name for p in fields["policies"]) == (*BASELINES, "eldr")
+    assert run_config_fields(parser.parse_args([]), DemoConfig.policies)["arrivals_apart"]

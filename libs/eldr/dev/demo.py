@@ -773,6 +773,12 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--evaluation-requests", type=int, default=1500)
     p.add_argument("--target-batch", type=float, default=16.0)
     p.add_argument("--rate", type=float, default=None, help="arrival rate (req/s)")
+    p.add_argument(
+        "--with-replacement",
+        action="store_true",
+        help="draw the evaluation arrivals with replacement (copies of a request may decode "
+        "side by side; the demos before issue 24 did)",
+    )
     add_profile_arguments(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--database-url", default=None, help="default: SQLite in the state directory")
@@ -794,6 +800,7 @@ def run_config_fields(
         "evaluation_requests": args.evaluation_requests,
         "target_batch": args.target_batch,
         "rate_per_s": args.rate,
+        "arrivals_apart": not args.with_replacement,
         "policies": with_baselines(profiles_from_args(args, default_policies)),
         "seed": args.seed,
         "database_url": args.database_url,
