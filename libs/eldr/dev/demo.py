@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from eldr.bus import Bus, BusError, Delivery, RemoteError, stream_name
+from eldr.bus import Bus, BusError, Delivery, RemoteError, Subscription, stream_name
 from eldr.bus.topology import DECISIONS
 from eldr.core.costmodel import CostProfile
 from eldr.core.routing.profile import (
@@ -250,7 +250,7 @@ class FinishClock:
     def __init__(self, bus: Bus) -> None:
         self.bus = bus
         self.decoded: dict[str, tuple[float, float, str]] = {}
-        self._sub: Any = None
+        self._sub: Subscription | None = None
 
     async def __aenter__(self) -> FinishClock:
         self._sub = await self.bus.subscribe(
@@ -259,7 +259,8 @@ class FinishClock:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        await self._sub.stop()
+        if self._sub is not None:
+            await self._sub.stop()
 
     async def _on_finished(self, msg: RequestFinished, _: Delivery) -> None:
         if msg.decode_s is not None and msg.worker_id is not None:
