@@ -13,7 +13,7 @@ venv: ## create/refresh .venv with the project and its dev tools
 	@scripts/bootstrap
 
 .PHONY: demo
-demo: venv ## set up and run the demo (local stack, synthetic workload, round-robin vs ELDR)
+demo: venv ## set up and run the demo (local stack, synthetic workload, the load-only baselines vs ELDR)
 	$(BIN)/eldr demo
 
 .PHONY: tools

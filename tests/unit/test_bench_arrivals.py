@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from eldr.bench.arrivals import copy_overlap, draw_apart
+from eldr.core.workload.arrivals import copy_overlap, draw_apart
 
 
 def _arrivals(n: int, rate: float, seed: int = 0) -> np.ndarray:

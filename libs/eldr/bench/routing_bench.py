@@ -11,7 +11,7 @@ The benchmark follows the paper's method on recorded expert traces:
 3. for each arrival rate, replay one Poisson arrival sequence of evaluation requests
    through every policy in the discrete-event simulator (`eldr.sim.cluster`), where each
    decode step costs what the cost profile says for the experts its batch really
-   activated. Arrivals keep copies of one request apart (`eldr.bench.arrivals`): no
+   activated. Arrivals keep copies of one request apart (`eldr.core.workload.arrivals`): no
    request is drawn again while an earlier copy is still decoding, where the pool is large
    enough for the load; where it is not, the run says so and reports, per policy, the
    share of requests that decoded next to an identical copy on their worker;
@@ -54,18 +54,18 @@ from typing import Any
 
 import numpy as np
 
-from eldr.bench.arrivals import ArrivalDraw, copy_overlap, draw_apart
 from eldr.bench.reference import LockstepModel
 from eldr.core.costmodel import CostProfile
 from eldr.core.partition.kmeans import balanced_spherical_kmeans
 from eldr.core.routing.activity import ExpertDemand, expert_demand
-from eldr.core.routing.pipeline import Choice, FleetView, Policy, make_policy
+from eldr.core.routing.pipeline import FixedAssignment, Policy, make_policy
 from eldr.core.routing.profile import (
     DEFAULT_PROFILE,
     LOAD_ONLY_PROFILES,
     PAPER_PROFILE,
     EldrBoundedProfile,
     EldrCostProfile,
+    FixedAssignmentProfile,
     LoadMeasure,
     OracleProfile,
     ProfileBase,
@@ -73,6 +73,12 @@ from eldr.core.routing.profile import (
     profile_from_params,
 )
 from eldr.core.signature.signature import Calibration, fit_calibration
+from eldr.core.workload.arrivals import (
+    ArrivalDraw,
+    copy_overlap,
+    draw_apart,
+    draw_with_replacement,
+)
 from eldr.core.workload.sizing import expected_step_s, rates_for_batch_targets, stratified_split
 from eldr.core.workload.trace import TraceSet, counts_matrix
 from eldr.data.profiles import DEFAULT_PROFILE_FOR_TRACES, load_catalog
@@ -327,24 +333,15 @@ def draw_arrivals(
     """Which evaluation request arrives when, for one rate (identical for every policy).
 
     Copies of one request are kept apart for their estimated decode time
-    (`eldr.bench.arrivals`); with `arrivals_apart` off, requests are drawn with replacement.
+    (`eldr.core.workload.arrivals`); with `arrivals_apart` off, requests are drawn with
+    replacement.
     """
     arrival_s = poisson_arrival_times_s(rate, config.arrivals_per_rate, config.seed)
     pool = prepared.evaluation_idx
     tokens = np.array([r.decode_tokens for r in prepared.requests], dtype=np.float64)
     hold_s = tokens * expected_step_s(cost, prepared.traces, config.decoders, rate)
-    if config.arrivals_apart:
-        return draw_apart(pool, hold_s, arrival_s, np.random.default_rng([config.seed, 3]))
-    rng = np.random.default_rng([config.seed, 3])
-    requests = pool[rng.integers(pool.size, size=arrival_s.size)]
-    return ArrivalDraw(
-        requests=requests,
-        arrival_s=arrival_s,
-        forced=np.zeros(arrival_s.size, dtype=bool),
-        pool_size=int(pool.size),
-        expected_in_flight=round(rate * float(np.mean(hold_s[pool])), 1),
-        method="with replacement",
-    )
+    draw = draw_apart if config.arrivals_apart else draw_with_replacement
+    return draw(pool, hold_s, arrival_s, np.random.default_rng([config.seed, 3]))
 
 
 def run_policy(
@@ -397,24 +394,6 @@ def live_lineup(lineup: Sequence[BenchPolicy]) -> list[BenchPolicy]:
     return [bp for bp in lineup if bp.label in INFORMATION_POLICIES]
 
 
-class ReferenceProfile(ProfileBase, frozen=True, tag=REFERENCE):
-    """The offline reference's profile: no parameters (its assignment is data)."""
-
-
-class FixedAssignment(Policy):
-    """Routes the i-th arrival to the worker an offline assignment gave it (benchmark only)."""
-
-    def __init__(self, assignment: np.ndarray) -> None:
-        self.profile = ReferenceProfile()
-        self._assignment = np.asarray(assignment, dtype=np.int64)
-        self._next = 0
-
-    def choose(self, view: FleetView, rng: np.random.Generator) -> Choice:
-        worker = worker_name(int(self._assignment[self._next]))
-        self._next += 1
-        return Choice(index=view.workers.index(worker))
-
-
 def random_rounds(arrivals: int, workers: int, rng: np.random.Generator) -> np.ndarray:
     """A balanced assignment without locality: the workers dealt in a fresh random order
     every round of `workers` arrivals (each worker once per round)."""
@@ -460,12 +439,12 @@ def search_reference(
     found = model.search([assignments[k] for k in labels], cap)
     res = run_policy(
         prepared,
-        ReferenceProfile(),
+        FixedAssignmentProfile(),
         cost,
         rate,
         config,
         draw.requests,
-        policy=FixedAssignment(found.assignment),
+        policy=FixedAssignment([worker_name(int(w)) for w in found.assignment]),
     )
     named = {f"start {i}": label for i, label in enumerate(labels)}
     info = {

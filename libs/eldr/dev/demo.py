@@ -1,4 +1,4 @@
-"""`eldr demo`: the whole pipeline on one machine, round-robin against ELDR.
+"""`eldr demo`: the whole pipeline on one machine, the load-only baselines against ELDR.
 
 1. Start the local stack (`eldr.dev.stack`): embedded nats-server, SQLite (or the given
    database), 2 signature replicas, the trainer, simulated decode workers, 2 routers.
@@ -8,6 +8,12 @@
 4. Evaluation: replay the *same* evaluation requests at the same arrival times under each
    policy in turn, and compare what the simulated decode workers measured: distinct experts
    per MoE layer per step, TPOT P50/P99, plus decisions, fallbacks and decision latency.
+   The arrivals are drawn as `eldr bench` draws them (`eldr.core.workload.arrivals`): no
+   request again while an earlier copy of it is still decoding, where the evaluation pool
+   allows (otherwise the report says how many were forced), since two identical requests
+   on one worker share every expert and flatter a locality policy. Each policy is compared
+   with the best load-only baseline of each statistic (lowest union, lowest TPOT P50,
+   lowest TPOT P99 among round-robin, random, JSQ and P2C), each named.
 
 The decode workers are simulated (no GPU here): each step costs what the cost model says for
 the experts its batch really activates, in real time (`--time-scale` stretches it). The
@@ -29,10 +35,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from eldr.bus import Bus, BusError, RemoteError, stream_name
+from eldr.bus import Bus, BusError, Delivery, RemoteError, Subscription, stream_name
 from eldr.bus.topology import DECISIONS
+from eldr.core.costmodel import CostProfile
 from eldr.core.routing.profile import (
     DEFAULT_PROFILE,
+    LOAD_ONLY_PROFILES,
     PAPER_PROFILE,
     ProfileBase,
     RoundRobinProfile,
@@ -42,7 +50,17 @@ from eldr.core.routing.profile import (
     params_taken,
     profile_from_params,
 )
-from eldr.core.workload.sizing import rates_for_batch_targets, stratified_split
+from eldr.core.workload.arrivals import (
+    ArrivalDraw,
+    copy_overlap,
+    draw_apart,
+    draw_with_replacement,
+)
+from eldr.core.workload.sizing import (
+    expected_step_s,
+    rates_for_batch_targets,
+    stratified_split,
+)
 from eldr.core.workload.synthetic import SyntheticSpec, generate
 from eldr.core.workload.synthetic_fit import FITTED_SPEC
 from eldr.core.workload.trace import TraceSet
@@ -55,6 +73,7 @@ from eldr.sim.traffic import ReplayConfig, ReplaySummary, TraceReplayer
 from eldr.wire import (
     RefitReply,
     RefitRequest,
+    RequestFinished,
     RouterControl,
     RouterControlReply,
     SimStats,
@@ -62,6 +81,13 @@ from eldr.wire import (
 )
 
 log = logging.getLogger(__name__)
+
+BASELINES: tuple[str, ...] = tuple(p.name for p in LOAD_ONLY_PROFILES)
+"""The load-only baselines; every other policy is compared with the best of them."""
+STATISTICS: tuple[str, ...] = ("union", "tpot_p50", "tpot_p99")
+"""What a policy is compared on, each against its own best baseline."""
+FINISH_GRACE_S = 0.3
+"""After a pass, how long the demo keeps listening for its last finish events."""
 
 
 @dataclass(frozen=True)
@@ -81,9 +107,12 @@ class DemoConfig:
     rate_per_s: float | None = None
     """Explicit arrival rate; overrides target_batch."""
     time_scale: float = 1.0
-    policies: tuple[ProfileBase, ...] = (RoundRobinProfile(), PAPER_PROFILE, DEFAULT_PROFILE)
-    """Routing profiles compared on the same requests: the first is the baseline; `eldr`
-    is the paper's locality band, `eldr_band_cost` the router's default (docs/ONLINE.md)."""
+    policies: tuple[ProfileBase, ...] = (*LOAD_ONLY_PROFILES, PAPER_PROFILE, DEFAULT_PROFILE)
+    """Routing profiles compared on the same requests: the load-only ones among them
+    (`BASELINES`) are the baselines; `eldr` is the paper's locality band, `eldr_band_cost`
+    the router's default (docs/ONLINE.md)."""
+    arrivals_apart: bool = True
+    """Keep copies of one evaluation request apart (`draw_apart`); False: with replacement."""
     seed: int = 0
     profile: str = DEFAULT_PROFILE_FOR_TRACES
     database_url: str | None = None
@@ -118,6 +147,15 @@ class PolicyResult:
     per_worker: dict[str, int] = field(default_factory=dict)
     params: dict[str, float | int | str] = field(default_factory=dict)
     """The profile's parameters (`ProfileBase.params`)."""
+    copies_in_flight_share: float | None = None
+    """Share of its arrivals that decoded while a copy of the same request decoded (any
+    worker), from the finish events; None: not measured."""
+    copies_same_worker_share: float | None = None
+    """... on the same worker (where a copy shares every expert)."""
+
+    def statistics(self) -> tuple[float, float, float]:
+        """(union, TPOT P50, TPOT P99), the compared statistics (`STATISTICS`)."""
+        return self.expert_union_mean, self.tpot_p50_ms, self.tpot_p99_ms
 
 
 @dataclass
@@ -134,9 +172,119 @@ class DemoResult:
     decided exactly once."""
     results: list[PolicyResult]
     wall_s: float
+    arrivals: dict[str, Any] = field(default_factory=dict)
+    """How the evaluation arrivals were drawn (`ArrivalDraw.describe`)."""
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        out["against_best_baseline_pct"] = against_best_baseline(
+            {r.policy: r.statistics() for r in self.results}
+        )
+        return out
+
+
+def best_baselines(stats: dict[str, tuple[float, float, float]]) -> dict[str, str]:
+    """The best load-only baseline of each statistic among those in `stats` (policy ->
+    (union, TPOT P50, TPOT P99)): the lowest, ties broken as `eldr bench` breaks them.
+    Empty when no baseline ran."""
+    present = [p for p in stats if p in BASELINES]
+    if not present:
+        return {}
+    return {
+        "union": min(present, key=lambda p: (stats[p][0], stats[p][1])),
+        "tpot_p50": min(present, key=lambda p: (stats[p][1], stats[p][2])),
+        "tpot_p99": min(present, key=lambda p: (stats[p][2], stats[p][1])),
+    }
+
+
+def against_best_baseline(
+    stats: dict[str, tuple[float, float, float]],
+) -> dict[str, dict[str, Any]]:
+    """Each policy that is not a baseline against the best baseline of each statistic:
+    policy -> {statistic: percent change, statistic + "_baseline": the baseline's name}."""
+    best = best_baselines(stats)
+    out: dict[str, dict[str, Any]] = {}
+    if not best:
+        return out
+    for policy, values in stats.items():
+        if policy in BASELINES:
+            continue
+        row: dict[str, Any] = {}
+        for i, stat in enumerate(STATISTICS):
+            base = stats[best[stat]][i]
+            row[stat] = round(100.0 * (values[i] / base - 1.0), 2) if base else float("nan")
+            row[f"{stat}_baseline"] = best[stat]
+        out[policy] = row
+    return out
+
+
+def with_baselines(profiles: tuple[ProfileBase, ...]) -> tuple[ProfileBase, ...]:
+    """`profiles` after the load-only baselines they lack (so that each statistic has its
+    best baseline to be compared with)."""
+    named = {p.name for p in profiles}
+    return (*(p for p in LOAD_ONLY_PROFILES if p.name not in named), *profiles)
+
+
+def evaluation_draw(
+    config: DemoConfig, traces: TraceSet, pool: np.ndarray, cost: CostProfile, rate_per_s: float
+) -> ArrivalDraw:
+    """Which evaluation request arrives when, identical for every policy's pass.
+
+    Poisson arrivals at `rate_per_s` (real seconds); each request is held for its decode
+    tokens x the step time the cost model expects at this load (in simulated seconds, x the
+    time scale), as `eldr bench` holds it; `pool`: indices into `traces`."""
+    rng = np.random.default_rng([config.seed, 1])
+    arrival_s = np.cumsum(rng.exponential(1.0 / rate_per_s, size=config.evaluation_requests))
+    arrival_s -= arrival_s[0] if arrival_s.size else 0.0
+    step_s = expected_step_s(cost, traces, config.decoders, rate_per_s * config.time_scale)
+    tokens = np.array([t.decode_tokens for t in traces.traces], dtype=np.float64)
+    hold_s = tokens * step_s * config.time_scale
+    draw = draw_apart if config.arrivals_apart else draw_with_replacement
+    return draw(pool, hold_s, arrival_s, np.random.default_rng([config.seed, 3]))
+
+
+class FinishClock:
+    """When each request of a pass decoded, from the finish events the replayer publishes
+    as the gateway does: (job sent, last token reported, worker)."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self.decoded: dict[str, tuple[float, float, str]] = {}
+        self._sub: Subscription | None = None
+
+    async def __aenter__(self) -> FinishClock:
+        self._sub = await self.bus.subscribe(
+            self.bus.subjects.finished_all, RequestFinished, self._on_finished
+        )
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._sub is not None:
+            await self._sub.stop()
+
+    async def _on_finished(self, msg: RequestFinished, _: Delivery) -> None:
+        if msg.decode_s is not None and msg.worker_id is not None:
+            self.decoded[msg.request_id] = (msg.ts_s - msg.decode_s, msg.ts_s, msg.worker_id)
+
+    def copies(self, replayer: TraceReplayer) -> tuple[float, float] | None:
+        """(in flight anywhere, on the same worker): the shares of the pass's decoded
+        requests whose decode overlapped a copy's (`copy_overlap`); None: none decoded."""
+        rows = [
+            (r.trace_index, *self.decoded[r.request_id])
+            for r in replayer.records
+            if r.request_id in self.decoded
+        ]
+        if not rows:
+            return None
+        workers = sorted({w for *_, w in rows})
+        overlap = copy_overlap(
+            np.array([t for t, *_ in rows], dtype=np.int64),
+            np.array([workers.index(w) for *_, w in rows], dtype=np.int64),
+            np.array([start for _, start, _, _ in rows]),
+            np.array([end for _, _, end, _ in rows]),
+            measured_from=0,
+        )
+        return overlap.in_flight_share, overlap.same_worker_share
 
 
 def load_input(config: DemoConfig) -> TraceSet:
@@ -270,6 +418,19 @@ async def drive(
         or rates_for_batch_targets(cost, traces, config.decoders, [config.target_batch])[0]
         / config.time_scale
     )
+    draw = evaluation_draw(config, traces, ev_idx, cost, rate)
+    # The replayer indexes the evaluation subset, in `ev_idx` order.
+    position = {int(i): n for n, i in enumerate(ev_idx)}
+    planned = (np.array([position[int(r)] for r in draw.requests]), draw.arrival_s)
+    if not draw.apart:
+        log.warning(
+            "evaluation arrivals: %s (pool %d, about %.0f in flight): %.1f%% of arrivals "
+            "drawn while every request had a copy in flight",
+            draw.method,
+            draw.pool_size,
+            draw.expected_in_flight,
+            100 * draw.forced_share,
+        )
     model = "sim-" + ("traces" if config.traces else "synthetic")
     routers = config.router_replicas
     bus = await Bus.connect(settings, "eldr-demo")
@@ -319,16 +480,21 @@ async def drive(
             replay = TraceReplayer(
                 bus, ev, ReplayConfig(model=model, rate_per_s=rate, seed=config.seed + 1)
             )
-            async with replay:
+            async with replay, FinishClock(bus) as clock:
                 summary = await _with_progress(
-                    replay.run(config.evaluation_requests), replay, progress
+                    replay.run(config.evaluation_requests, planned), replay, progress
                 )
                 await wait_idle(bus, config.decoders, timeout_s=120)
                 await replay.wait_decoded(timeout_s=30)
+                await asyncio.sleep(FINISH_GRACE_S)  # the last finish events are on their way
             measured = summarize_workers(await worker_stats(bus, config.decoders))
             if observer is not None:
                 await observer.after_pass(bus, policy, replay, summary)
-            results.append(_policy_result(profile, summary, measured))
+            result = _policy_result(profile, summary, measured)
+            copies = clock.copies(replay)
+            if copies is not None:
+                result.copies_in_flight_share, result.copies_same_worker_share = copies
+            results.append(result)
         # The record of truth: one message per decided request id in DECISIONS (the
         # first write per request id wins; a second decision could not be stored).
         decisions = await bus.stream_state(stream_name(settings.namespace, DECISIONS))
@@ -354,6 +520,7 @@ async def drive(
         decisions_recorded=decisions.messages,
         results=results,
         wall_s=round(time.perf_counter() - started, 1),
+        arrivals=draw.describe(),
     )
 
 
@@ -432,26 +599,24 @@ def format_result(result: DemoResult) -> str:
         f"{inp['decoders']} simulated decode workers, cost profile {inp['cost_profile']}, "
         f"time scale {inp['time_scale']}, arrival rate {result.rate_per_s} req/s",
         f"partition version {result.partition_version}: {result.refit_message}",
+        format_arrivals(result.arrivals),
         "",
-        f"{'policy':<12} {'sent':>5} {'decided':>7} {'lost':>4} {'union':>7} {'batch':>6} "
-        f"{'TPOT P50':>9} {'TPOT P99':>9} {'decide P50':>10} {'decide P99':>10}  fallbacks",
+        f"{'policy':<14} {'sent':>5} {'decided':>7} {'lost':>4} {'union':>7} {'batch':>6} "
+        f"{'TPOT P50':>9} {'TPOT P99':>9} {'decide P50':>10} {'decide P99':>10} "
+        f"{'copies':>13}  fallbacks",
     ]
     for r in result.results:
         lines.append(
-            f"{r.policy:<12} {r.sent:>5} {r.decided:>7} {r.lost:>4} {r.expert_union_mean:>7.3f} "
+            f"{r.policy:<14} {r.sent:>5} {r.decided:>7} {r.lost:>4} {r.expert_union_mean:>7.3f} "
             f"{r.batch_mean:>6.2f} {r.tpot_p50_ms:>7.2f}ms {r.tpot_p99_ms:>7.2f}ms "
-            f"{r.decision_latency_p50_ms:>8.2f}ms {r.decision_latency_p99_ms:>8.2f}ms  "
-            f"{r.fallbacks or '-'}"
+            f"{r.decision_latency_p50_ms:>8.2f}ms {r.decision_latency_p99_ms:>8.2f}ms "
+            f"{_copies(r):>13}  {r.fallbacks or '-'}"
         )
-    base = result.results[0]
-    for r in result.results[1:]:
-        if base.expert_union_mean > 0 and base.tpot_p50_ms > 0:
-            lines.append(
-                f"{r.policy} vs {base.policy}: expert union "
-                f"{100 * (r.expert_union_mean / base.expert_union_mean - 1):+.1f}%, TPOT P50 "
-                f"{100 * (r.tpot_p50_ms / base.tpot_p50_ms - 1):+.1f}%, TPOT P99 "
-                f"{100 * (r.tpot_p99_ms / base.tpot_p99_ms - 1):+.1f}%"
-            )
+    lines.append(
+        "copies: share of a pass's requests that decoded beside a copy of themselves, "
+        "anywhere / on their worker (measured from the finish events)"
+    )
+    lines.extend(format_against_best({r.policy: r.statistics() for r in result.results}))
     lines.append(
         f"requests sent {result.requests_sent}, decisions recorded {result.decisions_recorded} "
         "(one per request: none lost, none doubled)"
@@ -463,8 +628,53 @@ def format_result(result: DemoResult) -> str:
     return "\n".join(lines)
 
 
+def _copies(r: PolicyResult) -> str:
+    if r.copies_in_flight_share is None or r.copies_same_worker_share is None:
+        return "-"
+    return f"{100 * r.copies_in_flight_share:.1f}% / {100 * r.copies_same_worker_share:.1f}%"
+
+
+def format_arrivals(arrivals: dict[str, Any]) -> str:
+    """One line: how the evaluation arrivals were drawn, and how far copies stayed apart."""
+    if not arrivals:
+        return "evaluation arrivals: not recorded"
+    line = (
+        f"evaluation arrivals: {arrivals['method']} from a pool of {arrivals['pool_requests']} "
+        f"requests, about {arrivals['expected_in_flight']:g} in flight"
+    )
+    if arrivals["apart"]:
+        return line + ": no request drawn while a copy of it was in flight (estimated)"
+    if arrivals["method"] == "apart":
+        return line + (
+            f": the pool is too small for the load, {100 * arrivals['forced_share']:.1f}% of "
+            "arrivals drawn while every request had a copy in flight"
+        )
+    return line + ": copies of a request may be in flight together"
+
+
+def format_against_best(stats: dict[str, tuple[float, float, float]]) -> list[str]:
+    """Lines: each policy against the best baseline of each statistic, that baseline named."""
+    versus = against_best_baseline(stats)
+    if not versus:
+        return ["no load-only baseline in the run: nothing to compare against"]
+    best = best_baselines(stats)
+    lines = [
+        "against the best baseline of each statistic (among "
+        f"{', '.join(p for p in stats if p in BASELINES)}): union {best['union']}, "
+        f"TPOT P50 {best['tpot_p50']}, TPOT P99 {best['tpot_p99']}"
+    ]
+    for policy, v in versus.items():
+        lines.append(
+            f"  {policy}: expert union {v['union']:+.1f}% (vs {v['union_baseline']}), "
+            f"TPOT P50 {v['tpot_p50']:+.1f}% (vs {v['tpot_p50_baseline']}), "
+            f"TPOT P99 {v['tpot_p99']:+.1f}% (vs {v['tpot_p99_baseline']})"
+        )
+    return lines
+
+
 def plot_result(result: DemoResult, path: Path) -> None:
-    """PNG: expert union per step and TPOT P50/P99 per policy, against the first (baseline)."""
+    """PNG: expert union per step and TPOT P50/P99 per policy; each policy that is not a
+    baseline annotated against the best baseline of that statistic."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -473,14 +683,14 @@ def plot_result(result: DemoResult, path: Path) -> None:
     rows = result.results
     names = [r.policy for r in rows]
     x = np.arange(len(rows))
-    base = rows[0]
-    fig, (ax_u, ax_t) = plt.subplots(1, 2, figsize=(11, 4.2))
+    versus = against_best_baseline({r.policy: r.statistics() for r in rows})
+    fig, (ax_u, ax_t) = plt.subplots(1, 2, figsize=(13, 4.8))
     unions = [r.expert_union_mean for r in rows]
-    bars = ax_u.bar(x, unions, color=["0.6"] + ["C0"] * (len(rows) - 1))
+    bars = ax_u.bar(x, unions, color=["0.6" if r.policy in BASELINES else "C0" for r in rows])
     for bar, r in zip(bars, rows, strict=True):
         label = f"{r.expert_union_mean:.2f}"
-        if r is not base and base.expert_union_mean > 0:
-            label += f"\n{100 * (r.expert_union_mean / base.expert_union_mean - 1):+.1f}%"
+        if r.policy in versus:
+            label += f"\n{versus[r.policy]['union']:+.1f}%"
         ax_u.annotate(
             label,
             (bar.get_x() + bar.get_width() / 2, bar.get_height()),
@@ -488,22 +698,21 @@ def plot_result(result: DemoResult, path: Path) -> None:
             va="bottom",
             fontsize=8,
         )
-    ax_u.set_xticks(x, names)
+    ax_u.set_xticks(x, names, rotation=25, ha="right")
     ax_u.set_ylabel("distinct experts / MoE layer / step")
-    ax_u.set_title("expert union (lower is better)")
+    ax_u.set_title("expert union (lower is better; % against the best baseline)")
     ax_u.set_ylim(0, max(unions) * 1.2 if unions else 1)
     width = 0.38
-    for offset, key, label in (
-        (-width / 2, "tpot_p50_ms", "P50"),
-        (width / 2, "tpot_p99_ms", "P99"),
+    for offset, key, stat, label in (
+        (-width / 2, "tpot_p50_ms", "tpot_p50", "P50"),
+        (width / 2, "tpot_p99_ms", "tpot_p99", "P99"),
     ):
         values = [getattr(r, key) for r in rows]
         tb = ax_t.bar(x + offset, values, width, label=label)
         for bar, r in zip(tb, rows, strict=True):
-            ref = getattr(base, key)
             text = f"{getattr(r, key):.2f}"
-            if r is not base and ref > 0:
-                text += f"\n{100 * (getattr(r, key) / ref - 1):+.1f}%"
+            if r.policy in versus:
+                text += f"\n{versus[r.policy][stat]:+.1f}%"
             ax_t.annotate(
                 text,
                 (bar.get_x() + bar.get_width() / 2, bar.get_height()),
@@ -514,7 +723,7 @@ def plot_result(result: DemoResult, path: Path) -> None:
     lo = min(min(r.tpot_p50_ms for r in rows), min(r.tpot_p99_ms for r in rows))
     hi = max(r.tpot_p99_ms for r in rows)
     ax_t.set_ylim(lo * 0.97, hi * 1.03)
-    ax_t.set_xticks(x, names)
+    ax_t.set_xticks(x, names, rotation=25, ha="right")
     ax_t.set_ylabel("ms (simulated; axis not from 0)")
     ax_t.set_title("TPOT (lower is better)")
     ax_t.legend(loc="upper right")
@@ -536,7 +745,8 @@ DEFAULT_PNG = Path("out/demo.png")
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "demo",
-        help="run the local stack and compare round-robin with ELDR on the same requests",
+        help="run the local stack and compare the load-only baselines with ELDR on the same "
+        "requests",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -564,6 +774,12 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--evaluation-requests", type=int, default=1500)
     p.add_argument("--target-batch", type=float, default=16.0)
     p.add_argument("--rate", type=float, default=None, help="arrival rate (req/s)")
+    p.add_argument(
+        "--with-replacement",
+        action="store_true",
+        help="draw the evaluation arrivals with replacement (copies of a request may decode "
+        "side by side; the demos before issue 24 did)",
+    )
     add_profile_arguments(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--database-url", default=None, help="default: SQLite in the state directory")
@@ -585,7 +801,8 @@ def run_config_fields(
         "evaluation_requests": args.evaluation_requests,
         "target_batch": args.target_batch,
         "rate_per_s": args.rate,
-        "policies": profiles_from_args(args, default_policies),
+        "arrivals_apart": not args.with_replacement,
+        "policies": with_baselines(profiles_from_args(args, default_policies)),
         "seed": args.seed,
         "database_url": args.database_url,
         "state_dir": args.state_dir,
@@ -600,7 +817,8 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
         type=decode_profile,
         metavar="JSON",
         help='a routing profile to compare, e.g. \'{"policy": "eldr", "tau": 0.2}\' (repeat; '
-        "the first is the baseline; default: round_robin, eldr, eldr_band_cost)",
+        "the load-only baselines round_robin, random, jsq and p2c always run too; default: "
+        "eldr, eldr_band_cost)",
     )
     p.add_argument(
         "--tau",

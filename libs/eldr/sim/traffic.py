@@ -388,12 +388,19 @@ class TraceReplayer:
 
     # --- running ----------------------------------------------------------------------
 
-    async def run(self, count: int) -> ReplaySummary:
-        """Replay `count` requests and summarise them (records in `self.records`)."""
+    async def run(
+        self, count: int, planned: tuple[np.ndarray, np.ndarray] | None = None
+    ) -> ReplaySummary:
+        """Replay `count` requests and summarise them (records in `self.records`).
+
+        planned: their (trace indices, start offsets in seconds), drawn by the caller (the
+        demo keeps copies of a request apart, `eldr.core.workload.arrivals`); None: `plan`."""
         if count < 0:
             raise ValueError(f"count must be non-negative, got {count}")
+        if planned is not None and not len(planned[0]) == len(planned[1]) == count:
+            raise ValueError(f"planned arrivals must number {count}")
         await self.start()
-        indices, offsets = self.plan(count)
+        indices, offsets = self.plan(count) if planned is None else planned
         for index in set(indices.tolist()):
             self.prepare(int(index))  # before the clock starts
         state = _RunState()

@@ -33,6 +33,7 @@ is deterministic for its seed.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -46,6 +47,7 @@ from eldr.core.routing.profile import (
     Cheapest,
     Cycle,
     Drawn,
+    FixedAssignmentProfile,
     LoadCeiling,
     LoadCost,
     LoadMeasure,
@@ -69,6 +71,7 @@ from eldr.core.routing.stages import (
 __all__ = [
     "BandTrace",
     "Choice",
+    "FixedAssignment",
     "FleetView",
     "PipelinePolicy",
     "Policy",
@@ -170,7 +173,7 @@ class Choice:
 
 class Policy(ABC):
     """Something that picks a worker on a fleet view. Every routing profile runs through
-    `PipelinePolicy`; the benchmarks' fixed assignments are the only other kind."""
+    `PipelinePolicy`; `FixedAssignment` (an assignment replayed) is the only other kind."""
 
     profile: ProfileBase
     uses_signature: bool = False
@@ -190,6 +193,21 @@ class Policy(ABC):
         starts in the middle of a router's decisions); only stateful profiles have
         anything to resume."""
         return None
+
+
+class FixedAssignment(Policy):
+    """Routes the i-th decision to the i-th of `worker_ids`: an assignment decided elsewhere
+    (an offline search, a live router's recorded choices), replayed through the simulator."""
+
+    def __init__(self, worker_ids: Sequence[str]) -> None:
+        self.profile = FixedAssignmentProfile()
+        self._worker_ids = tuple(worker_ids)
+        self._next = 0
+
+    def choose(self, view: FleetView, rng: np.random.Generator) -> Choice:
+        worker = self._worker_ids[self._next]
+        self._next += 1
+        return Choice(index=view.workers.index(worker))
 
 
 class PipelinePolicy(Policy):

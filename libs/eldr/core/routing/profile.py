@@ -55,6 +55,7 @@ __all__ = [
     "EldrCostProfile",
     "EldrProfile",
     "FilterStage",
+    "FixedAssignmentProfile",
     "JsqProfile",
     "LoadCeiling",
     "LoadCost",
@@ -548,6 +549,13 @@ class PipelineProfile(_CostAware, frozen=True, tag="pipeline"):
             "top_k": self.top_k,
             "stages": self.pipeline.describe(),
         }
+
+
+class FixedAssignmentProfile(ProfileBase, frozen=True, tag="fixed_assignment"):
+    """An assignment decided elsewhere, replayed (`eldr.core.routing.pipeline.
+    FixedAssignment`): the benchmark's offline reference, compare-live's replay of the live
+    router's choices. No parameters (the assignment is data) and not a `RoutingProfile`: a
+    router never runs it."""
 
 
 RoutingProfile: TypeAlias = (

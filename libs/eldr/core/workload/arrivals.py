@@ -1,5 +1,8 @@
 """Evaluation arrivals that keep copies of one request apart, and the copies a run still had.
 
+Shared by `eldr bench` (simulated arrivals) and by `eldr demo` / `eldr compare-live` (the
+live stack's evaluation passes), so that both replay traffic drawn the same way.
+
 A trace-driven benchmark replays a pool of recorded requests as arrivals. Drawn with
 replacement from a pool smaller than the load, several copies of one request are in flight
 at once; a locality router sends them to the same worker, where they share every expert of
@@ -8,16 +11,18 @@ next to an exact copy). Real traffic rarely repeats a prompt while its twin is d
 
 `draw_apart` chooses the request of each arrival, given the arrival times: uniformly among
 the pool's requests that are not *held*, where a drawn request is held for its estimated
-decode time (decode tokens x the caller's estimated step time; `eldr bench` estimates the
-step from the union of uniformly routed tokens, which is larger than the real, skewed one,
-so the estimate errs long). When every request is
+decode time (decode tokens x the caller's estimated step time; the callers estimate the
+step from the union of uniformly routed tokens, `eldr.core.workload.sizing.expected_step_s`,
+which is larger than the real, skewed one, so the estimate errs long). When every request is
 held (the pool is too small for the load), it draws uniformly among those with the fewest
 copies held, so that copies spread evenly over the pool, and marks the arrival `forced`:
 such a run cannot be free of in-flight copies, and says so. (Taking the request whose hold
 ends first instead makes the arrivals nearly periodic, which round-robin then aligns with.)
 
 The estimate only steers the draw; `copy_overlap` measures, per policy, from the simulated
-times, which requests really had a copy in flight beside them, anywhere or on their worker.
+(or, live, the measured) times, which requests really had a copy in flight beside them,
+anywhere or on their worker. `draw_with_replacement` is the old draw, kept to show what
+copies do to a comparison.
 """
 
 from __future__ import annotations
@@ -91,10 +96,33 @@ def draw_apart(
         r = int(pool[j])
         out[i] = r
         heapq.heappush(held, (float(t) + float(hold_s[r]), j))
+    expected = _expected_in_flight(pool, hold_s, arrival_s)
+    return ArrivalDraw(out, np.asarray(arrival_s), forced, int(pool.size), expected)
+
+
+def draw_with_replacement(
+    pool: np.ndarray, hold_s: np.ndarray, arrival_s: np.ndarray, rng: np.random.Generator
+) -> ArrivalDraw:
+    """The request of each arrival drawn uniformly from the pool, copies in flight or not
+    (`hold_s` only sizes `expected_in_flight`)."""
+    pool = np.asarray(pool, dtype=np.int64)
+    if pool.size == 0:
+        raise ValueError("the pool of requests is empty")
+    return ArrivalDraw(
+        requests=pool[rng.integers(pool.size, size=arrival_s.size)],
+        arrival_s=np.asarray(arrival_s),
+        forced=np.zeros(arrival_s.size, dtype=bool),
+        pool_size=int(pool.size),
+        expected_in_flight=_expected_in_flight(pool, hold_s, arrival_s),
+        method="with replacement",
+    )
+
+
+def _expected_in_flight(pool: np.ndarray, hold_s: np.ndarray, arrival_s: np.ndarray) -> float:
+    """Little's law on the draw: the arrivals' rate x the pool's mean hold."""
     span_s = float(arrival_s[-1] - arrival_s[0]) if arrival_s.size > 1 else 0.0
     rate = (arrival_s.size - 1) / span_s if span_s > 0 else 0.0
-    expected = rate * float(np.mean(hold_s[pool]))
-    return ArrivalDraw(out, np.asarray(arrival_s), forced, int(pool.size), round(expected, 1))
+    return round(rate * float(np.mean(hold_s[pool])), 1)
 
 
 @dataclass(frozen=True)
