@@ -4,6 +4,7 @@ consumers (ack, retry, dead letters, drain), request/reply, read-back, object st
 from __future__ import annotations
 
 import asyncio
+import hashlib
 
 import numpy as np
 import pytest
@@ -570,6 +571,23 @@ async def test_object_store_rejects_a_wrong_digest(bus: Bus, topology: Topology)
         await bus.object_get(
             topology.partitions_bucket, "v3", PartitionBlob, expected_sha256="0" * 64
         )
+
+
+async def test_object_store_keeps_bytes_put_as_they_are(
+    bus: Bus, bus_factory, bus_settings: BusSettings, topology: Topology
+) -> None:
+    """Bytes put raw (a recorded blob) come back as they are, checked against their
+    digest; a reader's size limit still refuses them before the download."""
+    await applied(bus, topology)
+    data = encode(partition_blob())
+    ref = await bus.object_put_bytes(topology.partitions_bucket, "v3", data)
+    assert (ref.size_bytes, ref.sha256) == (len(data), hashlib.sha256(data).hexdigest())
+    got = await bus.object_get_bytes(topology.partitions_bucket, "v3", expected_sha256=ref.sha256)
+    assert got == data
+    small = bus_settings.model_copy(update={"max_object_bytes": len(data) - 1})
+    reader = await bus_factory("small", settings=small)
+    with pytest.raises(WireError, match="limit"):
+        await reader.object_get_bytes(topology.partitions_bucket, "v3")
 
 
 async def test_object_store_missing_object(bus: Bus, topology: Topology) -> None:

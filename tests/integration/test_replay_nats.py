@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -29,8 +31,15 @@ from eldr.dev.natsserver import EmbeddedNats
 from eldr.partitions.codec import partition_to_blob
 from eldr.replay.cli import register
 from eldr.replay.engine import replay
-from eldr.replay.eventlog import EventLog, Selection, read_event_file, record_offsets
-from eldr.replay.source import read_events
+from eldr.replay.eventlog import (
+    Event,
+    EventLog,
+    Selection,
+    read_event_file,
+    record_offsets,
+    write_event_file,
+)
+from eldr.replay.source import fetch_partition_blob, import_events, read_events
 from eldr.replay.whatif import ReplayConfig
 from eldr.runtime import run_service
 from eldr.settings import BusSettings, RetentionSettings
@@ -39,10 +48,13 @@ from eldr.wire import (
     DecodeProfile,
     LoadReport,
     PartitionAnnouncement,
+    PartitionBlob,
     PrefillDone,
     RouterControl,
     RouterControlReply,
     SparseCounts,
+    decode,
+    encode,
 )
 from eldr_services.router.service import setup as router_setup
 from eldr_services.router.settings import RouterSettings
@@ -438,3 +450,112 @@ def test_an_export_of_an_empty_range_writes_nothing(
     assert eldr_main(["export", str(path), "--start-seq", str(N_REQUESTS + 1)]) == 1
     assert "no decisions recorded in namespace" in capsys.readouterr().err
     assert not path.exists()
+
+
+GOLDEN_BLOB_V1 = Path(__file__).parents[1] / "unit" / "golden" / "partition_blob.v1.msgpack"
+
+
+def v1_bytes(blob: PartitionBlob) -> bytes:
+    """`blob` as a PartitionBlob v1 writer stored it: `prices` (always nil) after
+    `workers`, `v` 1 and last, as in the golden v1 blob (which has a projection, so
+    routers do not load it)."""
+    fields: dict[str, object] = msgspec.msgpack.decode(encode(blob))
+    v1: dict[str, object] = {}
+    for key, value in fields.items():
+        if key != "v":
+            v1[key] = value
+        if key == "workers":
+            v1["prices"] = None
+    v1["v"] = 1
+    data = msgspec.msgpack.encode(v1)
+    assert list(msgspec.msgpack.decode(data)) == list(
+        msgspec.msgpack.decode(GOLDEN_BLOB_V1.read_bytes())
+    )
+    return data
+
+
+async def test_an_imported_v1_blob_keeps_the_hash_its_announcement_names(
+    bus: Bus,
+    bus_settings: BusSettings,
+    retention: RetentionSettings,
+    tmp_path: Path,
+) -> None:
+    """A log recorded before PartitionBlob v2 (v1 bytes, announced with their SHA-256)
+    imports as those bytes: the routers' checked fetch accepts it, a router loads it, and
+    an export writes the same bytes again."""
+    data = v1_bytes(partition_to_blob(make_partition()))
+    sha = hashlib.sha256(data).hexdigest()
+    blob = decode(data, PartitionBlob)
+    now = time.time()
+    announcement = PartitionAnnouncement(
+        version=blob.version,
+        model=blob.model,
+        object_name="v1",
+        sha256=sha,
+        created_ts_s=now - 1,
+        k=len(blob.workers),
+        dim=blob.centroids.shape[1],
+        workers=blob.workers,
+    )
+    decision = Decision(
+        request_id="req-1",
+        ts_s=now,
+        router_id="r1",
+        model=blob.model,
+        worker_id=blob.workers[0],
+        policy="jsq",
+        params={},
+        partition_version=blob.version,
+        fallback=None,
+        scores=[],
+        band=[],
+        loads=[(w, 0.0) for w in blob.workers],
+        signature=None,
+        missing_blocks=0,
+        decide_s=0.001,
+    )
+    recorded = EventLog(
+        "recorded",
+        [
+            Event.of(announcement, stream="PARTITIONS", seq=1),
+            Event.of(decision, stream="DECISIONS", seq=1),
+        ],
+        {"v1": blob},
+        blob_data={"v1": data},
+    )
+    path = tmp_path / "v1.eldr"
+    write_event_file(recorded, path)
+    await import_events(bus, read_event_file(path))
+
+    assert await fetch_partition_blob(bus, "v1", sha) == blob
+    exported = await read_events(bus, Selection(), load_reports=False, profiles=False)
+    assert exported.blob_data == {"v1": data}
+    assert exported.announcements == [announcement]
+
+    stop, ready = asyncio.Event(), asyncio.Event()
+    settings = RouterSettings(**bus_settings.model_dump() | retention.model_dump())
+    router = asyncio.create_task(
+        run_service(
+            "router", settings, router_setup, stop=stop, ready=ready, install_signal_handlers=False
+        )
+    )
+    try:
+        await asyncio.wait_for(ready.wait(), 20)
+        deadline = time.monotonic() + 20
+        while True:
+            replies = await bus.request_many(
+                bus.subjects.control_router,
+                RouterControl(),
+                RouterControlReply,
+                timeout_s=1.0,
+                max_replies=1,
+            )
+            reply = next((r for r in replies if isinstance(r, RouterControlReply)), None)
+            if reply is not None and reply.partition_version == blob.version:
+                break
+            assert reply is None or reply.partition_error is None, reply
+            assert time.monotonic() < deadline, f"the router did not load the blob: {replies}"
+            await asyncio.sleep(0.1)
+    finally:
+        stop.set()
+        await router

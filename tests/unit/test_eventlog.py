@@ -3,6 +3,7 @@ record (index and byte offset)."""
 
 from __future__ import annotations
 
+import hashlib
 import struct
 import zlib
 from pathlib import Path
@@ -33,8 +34,11 @@ from eldr.wire import (
     DecodeProfile,
     LoadReport,
     PartitionAnnouncement,
+    PartitionBlob,
     RequestFinished,
     SparseCounts,
+    decode,
+    encode,
 )
 
 T0 = 1_700_000_000.0
@@ -147,6 +151,58 @@ def test_a_log_survives_the_file(tmp_path: Path, name: str) -> None:
     assert (back.namespace, back.selection, back.notes) == ("ns", Selection(last=5), ["a note"])
     assert back.partition_blob(3) == log.blobs["v3"]
     assert back.counts() == log.counts()
+
+
+GOLDEN_BLOB_V1 = Path(__file__).parent / "golden" / "partition_blob.v1.msgpack"
+
+
+def v1_blob_log() -> tuple[EventLog, bytes]:
+    """A log recorded before PartitionBlob v2: its blob is v1 bytes, its announcement
+    names their SHA-256."""
+    data = GOLDEN_BLOB_V1.read_bytes()
+    blob = decode(data, PartitionBlob)
+    announcement = PartitionAnnouncement(
+        version=blob.version,
+        model=blob.model,
+        object_name="v4",
+        sha256=hashlib.sha256(data).hexdigest(),
+        created_ts_s=T0,
+        k=len(blob.workers),
+        dim=blob.centroids.shape[1],
+        workers=blob.workers,
+    )
+    events = [Event.of(announcement, stream="PARTITIONS", seq=1)]
+    return EventLog("ns", events, {"v4": blob}, blob_data={"v4": data}), data
+
+
+@pytest.mark.parametrize("name", ["events.eldr", "events.eldr.gz"])
+def test_a_recorded_v1_blob_keeps_its_bytes_through_read_and_write(
+    tmp_path: Path, name: str
+) -> None:
+    log, data = v1_blob_log()
+    assert encode(log.blobs["v4"]) != data  # a re-encoding would not hash as announced
+    write_event_file(log, tmp_path / name)
+    back = read_event_file(tmp_path / name)
+    assert back.blob_data == {"v4": data}
+    write_event_file(back, tmp_path / f"again.{name}")
+    again = read_event_file(tmp_path / f"again.{name}")
+    assert again.blob_bytes("v4") == data
+    assert hashlib.sha256(again.blob_bytes("v4")).hexdigest() == again.announcements[0].sha256
+    assert again.partition_blob(4) == log.blobs["v4"]
+
+
+def test_a_blob_built_in_memory_is_encoded() -> None:
+    log, data = v1_blob_log()
+    rebuilt = msgspec.structs.replace(log.blobs["v4"], v=2)
+    log.add_blob("v4", rebuilt)
+    assert log.blob_bytes("v4") == encode(rebuilt) != data
+    built = sample_log()
+    assert built.blob_bytes("v3") == encode(built.blobs["v3"])
+
+
+def test_stored_bytes_of_a_blob_the_log_lacks_are_refused() -> None:
+    with pytest.raises(ValueError, match="does not hold"):
+        EventLog("ns", [], blob_data={"v4": b"x"})
 
 
 def test_finish_events_are_kept_per_request_moves_left_out() -> None:

@@ -1,5 +1,6 @@
 """The object store: typed messages stored as objects (partitions), read back with a
-size limit before the download and an optional SHA-256 check."""
+size limit before the download and an optional SHA-256 check; or, for a recorded object
+that must keep its hash (an import, an export), its exact bytes."""
 
 from __future__ import annotations
 
@@ -40,7 +41,12 @@ class ObjectStore(Connection):
 
     async def object_put(self, bucket: str, name: str, message: Message) -> ObjectRef:
         """Store `message` as object `name` (replacing any previous one)."""
-        data = encode(message)
+        return await self.object_put_bytes(bucket, name, encode(message))
+
+    async def object_put_bytes(self, bucket: str, name: str, data: bytes) -> ObjectRef:
+        """Store `data`, a message's bytes exactly as recorded, as object `name` (replacing
+        any previous one): a recorded blob keeps the SHA-256 its announcement names, which
+        re-encoding it with a newer schema would change."""
         store = await self._bucket(bucket)
         with translated(f"put object {bucket}/{name}"):
             await store.put(name, data)
@@ -59,9 +65,17 @@ class ObjectStore(Connection):
         *,
         expected_sha256: str | None = None,
     ) -> M:
-        """Read and decode object `name`. Refuses objects over `max_object_bytes` before
+        """Read and decode object `name` (see `object_get_bytes`); raises WireError also if
+        the bytes are not a valid `message_type`."""
+        data = await self.object_get_bytes(bucket, name, expected_sha256=expected_sha256)
+        return decode(data, message_type, self._settings.max_object_bytes)
+
+    async def object_get_bytes(
+        self, bucket: str, name: str, *, expected_sha256: str | None = None
+    ) -> bytes:
+        """The stored bytes of object `name`. Refuses objects over `max_object_bytes` before
         downloading them; raises NotFoundError, or WireError if the bytes do not match
-        `expected_sha256` or are not a valid `message_type`."""
+        `expected_sha256`."""
         store = await self._bucket(bucket)
         limit = self._settings.max_object_bytes
         with translated(f"get object {bucket}/{name}"):
@@ -73,4 +87,4 @@ class ObjectStore(Connection):
         data = buffer.getvalue()
         if expected_sha256 is not None and hashlib.sha256(data).hexdigest() != expected_sha256:
             raise WireError(f"object {bucket}/{name} does not match sha256 {expected_sha256}")
-        return decode(data, message_type, limit)
+        return data

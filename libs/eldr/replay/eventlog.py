@@ -15,7 +15,8 @@ have no FINISHED records, still read): the 8-byte magic
 `ELDRLOG\\n`, then records. Each record is a little-endian uint32 payload length, the
 CRC-32 of the payload (uint32 LE), and the payload: one MessagePack map tagged by its
 `record` field. Record 0 is the `FileHeader` (format version, namespace, selection, counts,
-number of records that follow); then one `BlobRecord` per partition blob, then one
+number of records that follow); then one `BlobRecord` per partition blob (its bytes as
+stored in the bucket, which a read keeps in `EventLog.blob_data`), then one
 `EventRecord` per event in time order. An event record carries the wire bytes of its
 message (`eldr.wire.encode`), so every message is validated by `eldr.wire.decode` on read.
 A file whose name ends in `.gz` is gzip-compressed as a whole; byte offsets in errors are
@@ -181,7 +182,8 @@ def _sort_key(event: Event) -> tuple[float, int, int]:
 class EventLog:
     """A time-ordered window of recorded events plus the partition blobs they reference.
 
-    `blobs` maps object names (as in `PartitionAnnouncement.object_name`) to blobs.
+    `blobs` maps object names (as in `PartitionAnnouncement.object_name`) to blobs;
+    `blob_data` holds the bytes they were stored as, where known (`add_blob`).
     `notes` says what could not be read (expired load reports, missing blobs, ...).
     """
 
@@ -193,8 +195,15 @@ class EventLog:
     created_ts_s: float = field(default_factory=time.time)
     source: str = ""
     """Where the log came from, for reports ("nats://... namespace x", a file path)."""
+    blob_data: dict[str, bytes] = field(default_factory=dict)
+    """The exact bytes of the blobs read from a file or a bucket, by object name: a file
+    and an import store these, so each blob keeps the SHA-256 its announcements name (a
+    blob stored with an older schema, re-encoded, would not). Blobs without an entry
+    (built in memory) are encoded."""
 
     def __post_init__(self) -> None:
+        if stray := sorted(set(self.blob_data) - set(self.blobs)):
+            raise ValueError(f"stored bytes of blobs the log does not hold: {stray}")
         self.events = sorted(self.events, key=_sort_key)
         records = [e.message for e in self.events if isinstance(e.message, Decision)]
         self._by_request: dict[str, Decision] = {}
@@ -214,6 +223,20 @@ class EventLog:
             e.message for e in self.events if isinstance(e.message, PartitionAnnouncement)
         ]
         self._announcement_times = [a.created_ts_s for a in self._announcements]
+
+    def add_blob(self, name: str, blob: PartitionBlob, data: bytes | None = None) -> None:
+        """Hold `blob` as object `name`, with `data`, the bytes it was stored as (None: a
+        blob built in memory, encoded when stored)."""
+        self.blobs[name] = blob
+        if data is None:
+            self.blob_data.pop(name, None)
+        else:
+            self.blob_data[name] = data
+
+    def blob_bytes(self, name: str) -> bytes:
+        """The bytes to store blob `name` as: those it was read as, else its encoding."""
+        data = self.blob_data.get(name)
+        return encode(self.blobs[name]) if data is None else data
 
     # --- queries -----------------------------------------------------------------------
 
@@ -343,8 +366,8 @@ def _frame(payload: bytes) -> bytes:
 
 
 def _records(log: EventLog) -> Iterator[bytes]:
-    blobs = sorted(log.blobs.items())
-    n_records = len(blobs) + len(log.events)
+    names = sorted(log.blobs)
+    n_records = len(names) + len(log.events)
     sel = log.selection
     yield _ENCODER.encode(
         FileHeader(
@@ -365,8 +388,8 @@ def _records(log: EventLog) -> Iterator[bytes]:
             source=log.source,
         )
     )
-    for name, blob in blobs:
-        data = encode(blob)
+    for name in names:
+        data = log.blob_bytes(name)
         yield _ENCODER.encode(
             BlobRecord(name=name, sha256=hashlib.sha256(data).hexdigest(), data=data)
         )
@@ -500,6 +523,7 @@ def read_event_file(path: str | os.PathLike[str]) -> EventLog:
         header: FileHeader | None = None
         events: list[Event] = []
         blobs: dict[str, PartitionBlob] = {}
+        blob_data: dict[str, bytes] = {}
         for index, offset, payload in _read_records(reader, name):
             if payload is None:
                 if header is None:
@@ -540,6 +564,7 @@ def read_event_file(path: str | os.PathLike[str]) -> EventLog:
                 raise EventFileError(name, "a second header record", index, offset)
             elif isinstance(record, BlobRecord):
                 blobs[record.name] = _decode_blob(record, name, index, offset)
+                blob_data[record.name] = record.data
             else:
                 events.append(_decode_event(record, name, index, offset))
     assert header is not None
@@ -558,6 +583,7 @@ def read_event_file(path: str | os.PathLike[str]) -> EventLog:
         notes=list(header.notes),
         created_ts_s=header.created_ts_s,
         source=name,
+        blob_data=blob_data,
     )
 
 

@@ -11,7 +11,8 @@ or the newest N) and then what a replay needs around it:
   (decoding finishes after routing);
 - PARTITIONS: every announcement the stream keeps, and from bucket `{ns}-partitions` the
   blobs of the versions the decisions used, the versions announced during the window and
-  the one in force when it began.
+  the one in force when it began, with the bytes they are stored as (an export writes
+  those, not a re-encoding).
 
 Reading is read-only: nothing is published (the reads are ephemeral ordered consumers,
 deleted when they finish). A stored record that does not decode is not dead-lettered but
@@ -20,7 +21,8 @@ its error), which `read_events` also turns into a note of the log, so an export 
 it lacks.
 
 `import_events` publishes a log into the bus's namespace (streams and bucket created if
-needed): blobs first, then events, each on the subject its message belongs to in that
+needed): blobs first (the bytes they were recorded as, so each still hashes as its
+announcement says), then events, each on the subject its message belongs to in that
 namespace. Import into a namespace no services run in: routers there would act on the
 load reports and partition announcements.
 """
@@ -56,6 +58,7 @@ from eldr.wire import (
     PartitionBlob,
     RequestFinished,
     WireError,
+    decode,
 )
 
 log = logging.getLogger(__name__)
@@ -364,25 +367,33 @@ async def _attach_blobs(bus: Bus, event_log: EventLog) -> None:
         named = [a for a in event_log.announcements if a.version == version]
         name = named[-1].object_name if named else f"v{version}"
         sha = named[-1].sha256 if named else None
-        blob = await fetch_partition_blob(bus, name, sha)
-        if blob is None:
+        stored = await fetch_stored_blob(bus, name, sha)
+        if stored is None:
             event_log.notes.append(
                 f"partition version {version}: blob {name!r} is not in bucket "
                 f"{bus.subjects.namespace}-partitions: its decisions cannot be replayed"
             )
         else:
-            event_log.blobs[name] = blob
+            event_log.add_blob(name, *stored)
 
 
 async def fetch_partition_blob(
     bus: Bus, object_name: str, expected_sha256: str | None = None
 ) -> PartitionBlob | None:
     """A partition blob from the namespace's bucket; None when it is not there."""
+    stored = await fetch_stored_blob(bus, object_name, expected_sha256)
+    return None if stored is None else stored[0]
+
+
+async def fetch_stored_blob(
+    bus: Bus, object_name: str, expected_sha256: str | None = None
+) -> tuple[PartitionBlob, bytes] | None:
+    """A partition blob from the namespace's bucket and the bytes it is stored as; None
+    when it is not there, or is unusable (logged)."""
     bucket = f"{bus.subjects.namespace}-partitions"
     try:
-        return await bus.object_get(
-            bucket, object_name, PartitionBlob, expected_sha256=expected_sha256
-        )
+        data = await bus.object_get_bytes(bucket, object_name, expected_sha256=expected_sha256)
+        return decode(data, PartitionBlob, bus.settings.max_object_bytes), data
     except NotFoundError:
         return None
     except WireError as exc:
@@ -464,8 +475,8 @@ async def import_events(
     for change in await apply_topology(bus, topology):
         if change.action != "unchanged":
             summary.topology.append(f"{change.kind} {change.name} {change.action}")
-    for name, blob in sorted(event_log.blobs.items()):
-        await bus.object_put(topology.partitions_bucket, name, blob)
+    for name in sorted(event_log.blobs):
+        await bus.object_put_bytes(topology.partitions_bucket, name, event_log.blob_bytes(name))
         summary.blobs += 1
     subjects = bus.subjects
 
