@@ -9,7 +9,13 @@ from hypothesis import strategies as st
 
 from eldr.core.costmodel import CostProfile, GpuProfile, ModelProfile
 from eldr.core.workload.trace import expert_counts
-from eldr.sim.worker import BatchingWorker, StepPlan, UnionCounter, flatten_decode_ids
+from eldr.sim.worker import (
+    BatchingWorker,
+    DecodeTask,
+    StepPlan,
+    UnionCounter,
+    flatten_decode_ids,
+)
 
 E = 8
 L = 2
@@ -264,3 +270,58 @@ def test_every_request_finishes_and_kv_returns_to_zero(
         finished |= {f.request_id for f in w.finish_step(plan, now)}
     assert finished == {f"r{i}" for i in range(len(pending))}
     assert w.kv_tokens == 0
+
+
+def test_held_kv_charges_waiting_and_expected_prompts_to_the_step() -> None:
+    cost = profile(kv_bytes_per_token=1000.0)
+    batch = BatchingWorker("w0", cost, num_experts=E, max_batch=1)
+    held = BatchingWorker("w1", cost, num_experts=E, max_batch=1, step_kv="held")
+    for w in (batch, held):
+        w.submit("a", ids([[0, 1]]), 0.0, prompt_tokens=5)
+        w.submit("b", ids([[0, 1]]), 0.0, prompt_tokens=7)  # waits: the batch is full
+        w.expect(11)  # routed here, its job not arrived yet
+        assert w.kv_tokens == 5 + 7 + 11
+    plan_batch, plan_held = batch.start_step(0.0), held.start_step(0.0)
+    assert plan_batch is not None
+    assert plan_held is not None
+    assert plan_batch.kv_tokens == 5
+    assert plan_held.kv_tokens == 5 + 7 + 11
+    assert plan_held.duration_s == cost.step_time_s(2, 23, 1)
+
+
+def test_an_expected_request_is_taken_over_when_its_task_arrives() -> None:
+    w = BatchingWorker("w0", profile(), num_experts=E, kv_capacity_tokens=None)
+    decode = ids([[0, 1], [2, 3]])
+    w.expect(4)
+    task = DecodeTask(
+        request_id="a",
+        prompt_tokens=4,
+        flat=flatten_decode_ids(decode, E),
+        num_moe_layers=L,
+        submitted_s=0.0,
+    )
+    w.enqueue(task, expected=True)
+    assert w.kv_tokens == 4
+    now = 0.0
+    while not w.idle:
+        _, now, _ = run_step(w, now)
+    assert w.kv_tokens == 0
+
+
+def test_only_a_request_left_waiting_at_a_boundary_is_blocked() -> None:
+    w = worker(max_batch=2)
+    for rid in ("a", "b", "x"):  # x finds the batch full at the first boundary
+        w.submit(rid, ids([[0, 0]]), 0.0)
+    first = w.start_step(0.0)
+    assert first is not None
+    w.submit("c", ids([[0, 0]]), 0.001)  # arrives mid-step: joins the next boundary
+    finished = w.finish_step(first, 0.01)
+    second = w.start_step(0.01)
+    assert second is not None
+    finished += w.finish_step(second, 0.02)
+    assert {f.request_id: f.blocked for f in finished} == {
+        "a": False,
+        "b": False,
+        "x": True,
+        "c": False,
+    }

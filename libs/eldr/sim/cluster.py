@@ -1,12 +1,14 @@
 """Discrete-event simulation of the decode side of a PD-disaggregated MoE cluster.
 
 Requests arrive (after prefill) as a Poisson process, a routing policy assigns each to one of
-W decode workers, and each worker runs continuous batching: while it has requests it runs
-decode steps back to back; a step advances every running request by one token and costs
-what the cost model says for the distinct experts that step's batch activates. A request
-assigned to a busy worker joins the batch at the next step boundary, or waits while the
-batch is full (`max_batch`). Each request replays its recorded decode trace, so the experts
-of every step are the model's real choices, not a statistical stand-in.
+W decode workers, and each worker runs continuous batching (`eldr.sim.worker.BatchingWorker`,
+the state machine simdecode's live workers run): while it has requests it runs decode steps
+back to back; a step advances every running request by one token and costs what the cost
+model says for the distinct experts that step's batch activates and for the KV its worker
+holds (from the routing decision on: `step_kv="held"`). A request assigned to a busy worker
+joins the batch at the next step boundary, or waits while the batch is full (`max_batch`).
+Each request replays its recorded decode trace, so the experts of every step are the
+model's real choices, not a statistical stand-in.
 
 Everything runs in simulated time; the same inputs and seed give the same results.
 
@@ -37,10 +39,10 @@ Beyond a fixed fleet (all optional; without them a run is what it always was):
 from __future__ import annotations
 
 import heapq
-from collections import deque
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -56,7 +58,13 @@ from eldr.sim.information import (
     split_arrivals,
     view_errors,
 )
-from eldr.sim.worker import UnionCounter, flatten_decode_ids
+from eldr.sim.worker import (
+    BatchingWorker,
+    DecodeTask,
+    FinishedRequest,
+    StepPlan,
+    flatten_decode_ids,
+)
 
 MAX_ADMITTED_IDS = 4096
 """Most admitted ids a simulated load report carries (the wire's `MAX_ADMITTED`)."""
@@ -275,17 +283,6 @@ class SimResult:
         return float(self.imbalance_samples.mean())
 
 
-class _Worker:
-    __slots__ = ("busy", "kv_tokens", "running", "running_pos", "waiting")
-
-    def __init__(self) -> None:
-        self.running: list[int] = []  # arrival indices
-        self.running_pos: list[int] = []  # next decode token of each running request
-        self.waiting: deque[int] = deque()
-        self.busy = False
-        self.kv_tokens = 0
-
-
 def simulate(
     requests: list[SimRequest],
     arrival_requests: np.ndarray,
@@ -323,8 +320,39 @@ def simulate(
     timeline). arrival_times_s: seconds, non-decreasing, one per arrival (default: Poisson
     at the configured rate and seed).
     """
-    n_arr = int(arrival_requests.shape[0])
-    if n_arr != config.num_arrivals:
+    _check_inputs(requests, arrival_requests, policy, config, scores, demands, timeline, controller)
+    if information is not None and timeline:
+        raise ValueError("information delays are not modelled with a fleet timeline")
+    run = _Run(
+        requests,
+        arrival_requests,
+        _arrival_times(config, arrival_times_s),
+        policy,
+        cost,
+        config,
+        num_moe_layers=num_moe_layers,
+        union_slots=union_slots,
+        partition=_Partition(scores, scores_version, _centroid_mask(scores, has_centroid)),
+        demands=demands if policy.uses_activity else None,
+        timeline=timeline,
+        controller=controller,
+        information=information,
+    )
+    run.run()
+    return run.result()
+
+
+def _check_inputs(
+    requests: list[SimRequest],
+    arrival_requests: np.ndarray,
+    policy: Policy,
+    config: SimConfig,
+    scores: np.ndarray | None,
+    demands: Sequence[ExpertDemand] | None,
+    timeline: Sequence[FleetEvent],
+    controller: SimController | None,
+) -> None:
+    if int(arrival_requests.shape[0]) != config.num_arrivals:
         raise ValueError("arrival_requests must have config.num_arrivals entries")
     if policy.uses_signature and scores is None:
         raise ValueError(f"policy {policy.name} needs scores")
@@ -336,322 +364,44 @@ def simulate(
     for ev in timeline:
         if any(not 0 <= slot < W for slot in (*ev.join, *ev.leave)):
             raise ValueError(f"fleet event at {ev.at_s} names a slot outside [0, {W})")
-    if information is not None and timeline:
-        raise ValueError("information delays are not modelled with a fleet timeline")
-    if arrival_times_s is None:
-        arrival_s = poisson_arrival_times_s(config.arrival_rate_per_s, n_arr, config.seed)
-    else:
-        arrival_s = np.asarray(arrival_times_s, dtype=np.float64)
-        if arrival_s.shape != (n_arr,):
-            raise ValueError(f"arrival_times_s has shape {arrival_s.shape}, expected ({n_arr},)")
-        if n_arr and (arrival_s[0] < 0 or np.any(np.diff(arrival_s) < 0)):
-            raise ValueError("arrival_times_s must be non-negative and non-decreasing")
-    # The policy's own randomness (tie-breaks, P2C samples) gets a separate stream so that
-    # arrival times are identical across policies for a seed.
-    policy_rng = np.random.default_rng([config.seed, 1])
+    if controller is not None and controller.period_s <= 0:
+        raise ValueError("a controller's period_s must be positive")
 
-    workers = [_Worker() for _ in range(W)]
-    worker_ids = tuple(worker_name(i) for i in range(W))
-    in_flight = np.zeros(W, dtype=np.int64)
-    kv_tokens = np.zeros(W, dtype=np.int64)
-    live = np.zeros(W, dtype=bool)
-    if config.initial_workers is None:
-        live[:] = True
-    else:
-        live[list(config.initial_workers)] = True
-    live_idx = np.flatnonzero(live)
-    live_ids = tuple(worker_ids[i] for i in live_idx)
-    everyone = bool(live.all())
 
-    cur_scores = scores
-    cur_version = scores_version
-    centroid_mask = _centroid_mask(scores, has_centroid)
-    track_activity = policy.uses_activity and demands is not None
-    activity = ActivityTable(ttl_s=float("inf")) if track_activity and information is None else None
+def _arrival_times(config: SimConfig, given: np.ndarray | None) -> np.ndarray:
+    """The given arrival times, checked, or the seeded Poisson ones."""
+    n_arr = config.num_arrivals
+    if given is None:
+        return poisson_arrival_times_s(config.arrival_rate_per_s, n_arr, config.seed)
+    arrival_s = np.asarray(given, dtype=np.float64)
+    if arrival_s.shape != (n_arr,):
+        raise ValueError(f"arrival_times_s has shape {arrival_s.shape}, expected ({n_arr},)")
+    if n_arr and (arrival_s[0] < 0 or np.any(np.diff(arrival_s) < 0)):
+        raise ValueError("arrival_times_s must be non-negative and non-decreasing")
+    return arrival_s
 
-    warm_idx = int(config.warmup_fraction * n_arr)
-    window_start = float(arrival_s[warm_idx]) if warm_idx < n_arr else float(arrival_s[-1])
-    window_end = np.inf if config.count_drain else float(arrival_s[-1])
 
-    assigned_s = np.zeros(n_arr)
-    admitted_s = np.full(n_arr, np.nan)
-    finished_s = np.full(n_arr, np.nan)
-    worker_of = np.full(n_arr, -1, dtype=np.int64)
-    version_of = np.full(n_arr, -1, dtype=np.int64)
-    blocked = np.zeros(n_arr, dtype=bool)
-    union_samples: list[float] = []
-    union_times: list[float] = []
-    batch_samples: list[int] = []
-    imbalance: list[float] = []
-    fallbacks: dict[str, int] = {}
-    union = UnionCounter(union_slots)
-    joined_s: dict[int, float] = {}
-    left_s: dict[int, float] = {}
-    swaps: list[tuple[float, int]] = []
-    seen_arrivals: list[tuple[int, int, float, int]] = []
-    seen_finished: list[tuple[int, int, float, int]] = []
-    submitted_s = assigned_s if information is None else np.zeros(n_arr)
-    info = (
-        _Information(
-            information, policy, worker_ids, workers, demands if track_activity else None, config
+def _decode_workers(
+    worker_ids: tuple[str, ...],
+    cost: CostProfile,
+    config: SimConfig,
+    num_moe_layers: int,
+    union_slots: int,
+) -> list[BatchingWorker]:
+    """A worker per slot, batching as simdecode's do, with no KV limit; a step is charged
+    for all the KV its worker holds (what the simulator's results always rested on)."""
+    num_experts = -(-union_slots // num_moe_layers)  # an id space of at least union_slots
+    return [
+        BatchingWorker(
+            wid,
+            cost,
+            num_experts=num_experts,
+            max_batch=config.max_batch,
+            kv_capacity_tokens=None,
+            step_kv="held",
         )
-        if information is not None
-        else None
-    )
-
-    events: list[tuple[float, int, int]] = []  # (time, tie-breaker, worker) step ends
-    tie = 0
-    # Control events: (time, tie-breaker, kind, payload); kinds below.
-    control: list[tuple[float, int, int, object]] = []
-    for ev in timeline:
-        tie += 1
-        heapq.heappush(control, (ev.at_s, tie, _FLEET, ev))
-    if controller is not None:
-        if controller.period_s <= 0:
-            raise ValueError("a controller's period_s must be positive")
-        tie += 1
-        heapq.heappush(control, (controller.period_s, tie, _TICK, None))
-
-    def start_step(w: int, now: float) -> None:
-        nonlocal tie
-        wk = workers[w]
-        while wk.waiting and len(wk.running) < config.max_batch:
-            a = wk.waiting.popleft()
-            wk.running.append(a)
-            wk.running_pos.append(0)
-            admitted_s[a] = now
-        for a in wk.waiting:  # still waiting at a step boundary: the batch is full
-            blocked[a] = True
-        if not wk.running:
-            wk.busy = False
-            return
-        rows = [
-            requests[arrival_requests[a]].decode_flat[p]
-            for a, p in zip(wk.running, wk.running_pos, strict=True)
-        ]
-        ids = np.concatenate(rows) if len(rows) > 1 else rows[0]
-        union_total = union.count(ids)  # distinct (layer, expert) pairs of the step
-        dt = cost.step_time_s(union_total, float(wk.kv_tokens), len(wk.running))
-        if window_start <= now <= window_end:
-            union_samples.append(union_total / num_moe_layers)
-            union_times.append(now)
-            batch_samples.append(len(wk.running))
-        wk.busy = True
-        tie += 1
-        heapq.heappush(events, (now + dt, tie, w))
-
-    def end_step(w: int, now: float) -> None:
-        wk = workers[w]
-        keep_a: list[int] = []
-        keep_p: list[int] = []
-        for a, p in zip(wk.running, wk.running_pos, strict=True):
-            p += 1
-            wk.kv_tokens += 1
-            kv_tokens[w] += 1
-            req = requests[arrival_requests[a]]
-            if p >= req.decode_tokens:
-                finished_s[a] = now
-                in_flight[w] -= 1
-                done_kv = req.prompt_tokens + req.decode_tokens
-                wk.kv_tokens -= done_kv
-                kv_tokens[w] -= done_kv
-                if activity is not None:
-                    activity.finish(str(a))
-                if info is not None:
-                    info.finished(a, now)
-                if controller is not None:
-                    seen_finished.append((a, int(arrival_requests[a]), now, w))
-            else:
-                keep_a.append(a)
-                keep_p.append(p)
-        wk.running = keep_a
-        wk.running_pos = keep_p
-        start_step(w, now)
-
-    def set_live() -> None:
-        nonlocal live_idx, live_ids, everyone
-        live_idx = np.flatnonzero(live)
-        live_ids = tuple(worker_ids[i] for i in live_idx)
-        everyone = bool(live.all())
-
-    def on_control(now: float, kind: int, payload: object) -> None:
-        nonlocal tie, cur_scores, cur_version, centroid_mask
-        if kind == _FLEET:
-            assert isinstance(payload, FleetEvent)
-            for slot in payload.leave:
-                if live[slot]:
-                    live[slot] = False
-                    left_s[slot] = now
-            for slot in payload.join:
-                if not live[slot]:
-                    live[slot] = True
-                    joined_s[slot] = now
-            set_live()
-        elif kind == _TICK:
-            assert controller is not None
-            obs = SimObservation(
-                now_s=now,
-                live=tuple(int(i) for i in live_idx),
-                arrivals=tuple(seen_arrivals),
-                finished=tuple(seen_finished),
-                version=cur_version,
-            )
-            seen_arrivals.clear()
-            seen_finished.clear()
-            update = controller.on_tick(obs)
-            if update is not None:
-                if update.scores.shape != (len(requests), W):
-                    raise ValueError(
-                        f"update scores shaped {update.scores.shape}, "
-                        f"expected ({len(requests)}, {W})"
-                    )
-                tie += 1
-                heapq.heappush(control, (now + max(0.0, update.delay_s), tie, _SWAP, update))
-            tie += 1
-            heapq.heappush(control, (now + controller.period_s, tie, _TICK, None))
-        else:
-            assert isinstance(payload, ScoreUpdate)
-            cur_scores = payload.scores
-            cur_version = payload.version
-            centroid_mask = _centroid_mask(cur_scores, None)
-            swaps.append((now, payload.version))
-
-    def submit(w: int, a: int, now: float) -> None:
-        submitted_s[a] = now
-        workers[w].waiting.append(a)
-        if not workers[w].busy:
-            start_step(w, now)
-
-    if info is not None:
-        info.start(submit)
-
-    next_arrival = 0
-    now = 0.0
-    while next_arrival < n_arr or events or (info is not None and info.busy):
-        t_arr = arrival_s[next_arrival] if next_arrival < n_arr else np.inf
-        t_step = events[0][0] if events else np.inf
-        t_ctl = control[0][0] if control and next_arrival < n_arr else np.inf
-        t_info = info.next_s() if info is not None else np.inf
-        if t_step <= t_arr and t_step <= t_ctl and t_step <= t_info:
-            now, _, w = heapq.heappop(events)
-            end_step(w, now)
-            continue
-        if t_ctl <= t_arr and t_ctl <= t_info:
-            now, _, kind, payload = heapq.heappop(control)
-            on_control(now, kind, payload)
-            continue
-        if info is not None and t_info <= t_arr:
-            now = t_info
-            info.run_next(next_arrival < n_arr)
-            continue
-        now = float(t_arr)
-        a = next_arrival
-        next_arrival += 1
-        req_idx = int(arrival_requests[a])
-        if not live_idx.size:
-            raise ValueError(f"no live worker at {now:.3f} s (arrival {a})")
-        # What the deciding router sees: the truth, or its replica's tables.
-        replica: RouterReplica | None = None
-        seen_idx, seen_all = live_idx, everyone
-        seen_ids = live_ids
-        seen_in_flight = in_flight if everyone else in_flight[live_idx]
-        seen_kv = kv_tokens if everyone else kv_tokens[live_idx]
-        if info is not None:
-            replica = info.replica_for(a)
-            seen_idx, seen_in_flight, seen_kv = info.loads(replica, now)
-            seen_all = seen_idx.size == W
-            seen_ids = tuple(worker_ids[i] for i in seen_idx)
-        row: np.ndarray | None = None
-        mask: np.ndarray | None = None
-        if cur_scores is not None and policy.wants_scores:
-            row = cur_scores[req_idx] if seen_all else cur_scores[req_idx, seen_idx]
-            if centroid_mask is not None:
-                sub = centroid_mask if seen_all else centroid_mask[seen_idx]
-                mask = None if sub.all() else sub
-        demand: ExpertDemand | None = None
-        miss: ActivityInput | None = None
-        if track_activity and demands is not None:
-            demand = demands[req_idx]
-            table = activity if replica is None else replica.core.activity
-            assert table is not None
-            miss = activity_for(policy if replica is None else replica.policy, table, seen_ids)
-        decided = decide_view(
-            policy if replica is None else replica.policy,
-            workers=seen_ids,
-            in_flight=seen_in_flight,
-            kv_tokens=seen_kv,
-            rng=policy_rng,
-            scores=row,
-            has_centroid=mask,
-            expert_miss=miss,
-            demand=demand,
-        )
-        if decided.fallback:
-            fallbacks[decided.fallback] = fallbacks.get(decided.fallback, 0) + 1
-        w = int(seen_idx[decided.index])
-        if info is not None and replica is not None and a >= warm_idx:
-            info.record_errors(replica, seen_in_flight, in_flight[seen_idx])
-        if a >= warm_idx:
-            loads = in_flight if everyone else in_flight[live_idx]
-            mean_load = loads.mean()
-            if mean_load > 0:
-                imbalance.append(float(loads.max() / mean_load))
-        worker_of[a] = w
-        version_of[a] = cur_version if row is not None else -1
-        assigned_s[a] = now
-        in_flight[w] += 1
-        req = requests[req_idx]
-        workers[w].kv_tokens += req.prompt_tokens
-        kv_tokens[w] += req.prompt_tokens
-        if activity is not None and demands is not None:
-            activity.add(worker_ids[w], str(a), demands[req_idx], now)
-        if controller is not None:
-            seen_arrivals.append((a, req_idx, now, w))
-        if info is not None and replica is not None:
-            info.decided(replica, w, a, req_idx, req.prompt_tokens, now)
-        else:
-            workers[w].waiting.append(a)
-            if not workers[w].busy:
-                start_step(w, now)
-
-    measured = np.arange(warm_idx, n_arr)
-    tokens = np.array(
-        [requests[arrival_requests[a]].decode_tokens for a in measured], dtype=np.float64
-    )
-    tpot = (finished_s[measured] - submitted_s[measured]) / tokens
-    queue = admitted_s[measured] - submitted_s[measured]
-    assigned_per_worker = np.bincount(worker_of[measured], minlength=W)
-    return SimResult(
-        policy=policy.name,
-        arrival_rate_per_s=config.arrival_rate_per_s,
-        tpot_s=tpot,
-        queue_s=queue,
-        worker_of=worker_of,
-        union_per_layer_steps=np.asarray(union_samples, dtype=np.float64),
-        batch_steps=np.asarray(batch_samples, dtype=np.int64),
-        imbalance_samples=np.asarray(imbalance, dtype=np.float64),
-        assigned_per_worker=assigned_per_worker,
-        fallbacks=fallbacks,
-        queued_share=float(blocked[measured].mean()) if measured.size else 0.0,
-        sim_end_s=now,
-        assigned_s=assigned_s,
-        finished_s=finished_s,
-        version_of=version_of,
-        union_step_s=np.asarray(union_times, dtype=np.float64),
-        joined_s=joined_s,
-        left_s=left_s,
-        swaps=swaps,
-        submitted_s=submitted_s,
-        replica_of=(info.replica_of if info is not None else np.zeros(n_arr, dtype=np.int64)),
-        view_error=(
-            np.asarray(info.view_error, dtype=np.float64) if info is not None else np.zeros(0)
-        ),
-        activity_excess=(
-            np.asarray(info.activity_excess, dtype=np.int64)
-            if info is not None and track_activity
-            else np.zeros(0, dtype=np.int64)
-        ),
-    )
+        for wid in worker_ids
+    ]
 
 
 _FLEET, _TICK, _SWAP = 0, 1, 2
@@ -665,6 +415,448 @@ def _centroid_mask(scores: np.ndarray | None, given: np.ndarray | None) -> np.nd
     if scores is None:
         return None
     return np.asarray(np.isfinite(scores).any(axis=0), dtype=bool)
+
+
+class _Fleet:
+    """Which worker slots are live, and when slots joined and left."""
+
+    def __init__(self, config: SimConfig, worker_ids: tuple[str, ...]) -> None:
+        self.worker_ids = worker_ids
+        self.live = np.zeros(config.num_workers, dtype=bool)
+        if config.initial_workers is None:
+            self.live[:] = True
+        else:
+            self.live[list(config.initial_workers)] = True
+        self.joined_s: dict[int, float] = {}
+        self.left_s: dict[int, float] = {}
+        self._refresh()
+
+    def _refresh(self) -> None:
+        self.idx = np.flatnonzero(self.live)
+        self.ids = tuple(self.worker_ids[i] for i in self.idx)
+        self.everyone = bool(self.live.all())
+
+    def apply(self, event: FleetEvent, now: float) -> None:
+        """A leaving slot takes no new request from now (it drains what it holds)."""
+        for slot in event.leave:
+            if self.live[slot]:
+                self.live[slot] = False
+                self.left_s[slot] = now
+        for slot in event.join:
+            if not self.live[slot]:
+                self.live[slot] = True
+                self.joined_s[slot] = now
+        self._refresh()
+
+
+class _Partition:
+    """The scores the policy routes with; a controller's `ScoreUpdate` swaps them."""
+
+    def __init__(self, scores: np.ndarray | None, version: int, mask: np.ndarray | None) -> None:
+        self.scores = scores
+        self.version = version
+        self.centroid_mask = mask
+        self.swaps: list[tuple[float, int]] = []
+
+    def swap(self, update: ScoreUpdate, now: float) -> None:
+        self.scores = update.scores
+        self.version = update.version
+        self.centroid_mask = _centroid_mask(update.scores, None)
+        self.swaps.append((now, update.version))
+
+    def row(
+        self, req_idx: int, idx: np.ndarray, whole: bool
+    ) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """Request `req_idx`'s scores over the slots `idx` (`whole`: all of them, in slot
+        order) and which of those own a centroid (None: all)."""
+        if self.scores is None:
+            return None, None
+        row = self.scores[req_idx] if whole else self.scores[req_idx, idx]
+        mask = None
+        if self.centroid_mask is not None:
+            sub = self.centroid_mask if whole else self.centroid_mask[idx]
+            mask = None if sub.all() else sub
+        return row, mask
+
+
+class _View(NamedTuple):
+    """What the deciding router sees of the fleet: the truth, or its replica's tables."""
+
+    replica: RouterReplica | None
+    idx: np.ndarray
+    """Live worker slots, in slot order."""
+    whole: bool
+    """`idx` is every slot."""
+    ids: tuple[str, ...]
+    in_flight: np.ndarray
+    kv_tokens: np.ndarray
+
+
+class _Record:
+    """What a run measures: per arrival (warm-up included), per step starting inside the
+    measurement window (from the first measured arrival to the last arrival, or on to the
+    end with `count_drain`), per measured decision."""
+
+    def __init__(self, config: SimConfig, arrival_s: np.ndarray, delayed_jobs: bool) -> None:
+        n_arr = config.num_arrivals
+        self.warm_idx = int(config.warmup_fraction * n_arr)
+        last = float(arrival_s[-1])
+        self.window_start = float(arrival_s[self.warm_idx]) if self.warm_idx < n_arr else last
+        self.window_end = np.inf if config.count_drain else last
+        self.assigned_s = np.zeros(n_arr)
+        # Without information delays a job reaches its worker when it is routed.
+        self.submitted_s = np.zeros(n_arr) if delayed_jobs else self.assigned_s
+        self.queue_s = np.full(n_arr, np.nan)
+        self.finished_s = np.full(n_arr, np.nan)
+        self.worker_of = np.full(n_arr, -1, dtype=np.int64)
+        self.version_of = np.full(n_arr, -1, dtype=np.int64)
+        self.blocked = np.zeros(n_arr, dtype=bool)
+        self.union_samples: list[float] = []
+        self.union_times: list[float] = []
+        self.batch_samples: list[int] = []
+        self.imbalance: list[float] = []
+        self.fallbacks: dict[str, int] = {}
+
+    def step(self, plan: StepPlan, now: float) -> None:
+        if self.window_start <= now <= self.window_end:
+            self.union_samples.append(plan.union_per_layer)
+            self.union_times.append(now)
+            self.batch_samples.append(plan.batch_size)
+
+    def finished(self, a: int, done: FinishedRequest, now: float) -> None:
+        self.finished_s[a] = now
+        self.queue_s[a] = done.queue_s
+        self.blocked[a] = done.blocked
+
+
+class _Run:
+    """One simulation: a `BatchingWorker` per worker slot, the arrivals routed to them, the
+    fleet's control events and the router's information, in simulated time order.
+
+    Per worker slot the truth a perfect router sees is kept alongside: `in_flight` (requests
+    routed there and not finished) and `kv_tokens` (the worker's KV, counted from the
+    routing decision).
+    """
+
+    def __init__(
+        self,
+        requests: list[SimRequest],
+        arrival_requests: np.ndarray,
+        arrival_s: np.ndarray,
+        policy: Policy,
+        cost: CostProfile,
+        config: SimConfig,
+        *,
+        num_moe_layers: int,
+        union_slots: int,
+        partition: _Partition,
+        demands: Sequence[ExpertDemand] | None,
+        timeline: Sequence[FleetEvent],
+        controller: SimController | None,
+        information: InformationModel | None,
+    ) -> None:
+        W = config.num_workers
+        self.requests = requests
+        self.arrival_requests = arrival_requests
+        self.arrival_s = arrival_s
+        self.policy = policy
+        self.config = config
+        self.num_moe_layers = num_moe_layers
+        self.partition = partition
+        self.demands = demands
+        self.controller = controller
+        # The policy's own randomness (tie-breaks, P2C samples) gets a separate stream so
+        # that arrival times are identical across policies for a seed.
+        self.policy_rng = np.random.default_rng([config.seed, 1])
+        self.worker_ids = tuple(worker_name(i) for i in range(W))
+        self.workers = _decode_workers(self.worker_ids, cost, config, num_moe_layers, union_slots)
+        self.plans: list[StepPlan | None] = [None] * W
+        """Each slot's step in flight (None: idle)."""
+        self.in_flight = np.zeros(W, dtype=np.int64)
+        self.kv_tokens = np.zeros(W, dtype=np.int64)
+        self.fleet = _Fleet(config, self.worker_ids)
+        self.activity = (
+            ActivityTable(ttl_s=float("inf"))
+            if demands is not None and information is None
+            else None
+        )
+        self.info = (
+            _Information(information, policy, self.worker_ids, self.workers, demands, config)
+            if information is not None
+            else None
+        )
+        self.record = _Record(config, arrival_s, delayed_jobs=information is not None)
+        self.seen_arrivals: list[tuple[int, int, float, int]] = []
+        self.seen_finished: list[tuple[int, int, float, int]] = []
+        self.now = 0.0
+        self._tie = itertools.count(1)
+        self.step_ends: list[tuple[float, int, int]] = []
+        """(time, tie-breaker, worker slot) of the steps in flight."""
+        self.control: list[tuple[float, int, int, object]] = []
+        """(time, tie-breaker, kind, payload) of the control events (kinds below)."""
+        for ev in timeline:
+            heapq.heappush(self.control, (ev.at_s, next(self._tie), _FLEET, ev))
+        if controller is not None:
+            heapq.heappush(self.control, (controller.period_s, next(self._tie), _TICK, None))
+
+    # --- the event loop -------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Handle every event in time order until the last request has finished; at equal
+        times a step's end goes first, then a control event, an information event and an
+        arrival. Control events stop with the last arrival."""
+        info, step_ends, control = self.info, self.step_ends, self.control
+        arrival_s, n_arr = self.arrival_s, self.config.num_arrivals
+        if info is not None:
+            info.start(self._submit)
+        next_arrival = 0
+        now = 0.0
+        while next_arrival < n_arr or step_ends or (info is not None and info.busy):
+            t_arr = arrival_s[next_arrival] if next_arrival < n_arr else np.inf
+            t_step = step_ends[0][0] if step_ends else np.inf
+            t_ctl = control[0][0] if control and next_arrival < n_arr else np.inf
+            t_info = info.next_s() if info is not None else np.inf
+            if t_step <= t_arr and t_step <= t_ctl and t_step <= t_info:
+                now, _, w = heapq.heappop(step_ends)
+                self._end_step(w, now)
+            elif t_ctl <= t_arr and t_ctl <= t_info:
+                now, _, kind, payload = heapq.heappop(control)
+                self._on_control(now, kind, payload)
+            elif info is not None and t_info <= t_arr:
+                now = t_info
+                info.run_next(next_arrival < n_arr)
+            else:
+                now = float(t_arr)
+                a = next_arrival
+                next_arrival += 1
+                self._arrive(a, now)
+        self.now = now
+
+    # --- steps ----------------------------------------------------------------------------
+
+    def _start_step(self, w: int, now: float) -> None:
+        """Worker `w` is at a step boundary: plan its next step (if it has requests) and
+        record it when it starts inside the measurement window."""
+        plan = self.workers[w].start_step(now)
+        self.plans[w] = plan
+        if plan is None:
+            return
+        self.record.step(plan, now)
+        heapq.heappush(self.step_ends, (now + plan.duration_s, next(self._tie), w))
+
+    def _end_step(self, w: int, now: float) -> None:
+        """Worker `w`'s step ended: its finished requests leave, the next step starts."""
+        worker = self.workers[w]
+        plan = self.plans[w]
+        assert plan is not None
+        for done in worker.finish_step(plan, now):
+            self._finished(w, done, now)
+        self.kv_tokens[w] = worker.kv_tokens
+        self._start_step(w, now)
+
+    def _finished(self, w: int, done: FinishedRequest, now: float) -> None:
+        a = int(done.request_id)  # the simulator's request ids are arrival indices
+        self.record.finished(a, done, now)
+        self.in_flight[w] -= 1
+        if self.activity is not None:
+            self.activity.finish(done.request_id)
+        if self.info is not None:
+            self.info.finished(done.request_id, now)
+        if self.controller is not None:
+            self.seen_finished.append((a, int(self.arrival_requests[a]), now, w))
+
+    # --- routing and submission -----------------------------------------------------------
+
+    def _arrive(self, a: int, now: float) -> None:
+        """Arrival `a` is routed: the policy decides on what the router sees."""
+        req_idx = int(self.arrival_requests[a])
+        if not self.fleet.idx.size:
+            raise ValueError(f"no live worker at {now:.3f} s (arrival {a})")
+        view = self._view(a, now)
+        policy = self.policy if view.replica is None else view.replica.policy
+        row: np.ndarray | None = None
+        mask: np.ndarray | None = None
+        if self.policy.wants_scores:
+            row, mask = self.partition.row(req_idx, view.idx, view.whole)
+        demand: ExpertDemand | None = None
+        miss: ActivityInput | None = None
+        if self.demands is not None:
+            demand = self.demands[req_idx]
+            table = self.activity if view.replica is None else view.replica.core.activity
+            assert table is not None
+            miss = activity_for(policy, table, view.ids)
+        decided = decide_view(
+            policy,
+            workers=view.ids,
+            in_flight=view.in_flight,
+            kv_tokens=view.kv_tokens,
+            rng=self.policy_rng,
+            scores=row,
+            has_centroid=mask,
+            expert_miss=miss,
+            demand=demand,
+        )
+        record = self.record
+        if decided.fallback:
+            record.fallbacks[decided.fallback] = record.fallbacks.get(decided.fallback, 0) + 1
+        w = int(view.idx[decided.index])
+        if a >= record.warm_idx:
+            self._measure(view)
+        record.worker_of[a] = w
+        record.version_of[a] = self.partition.version if row is not None else -1
+        self._assign(a, req_idx, w, view.replica, now)
+
+    def _view(self, a: int, now: float) -> _View:
+        """The fleet as arrival `a`'s router sees it: the truth, or its replica's tables."""
+        fleet, info = self.fleet, self.info
+        if info is None:
+            everyone, idx = fleet.everyone, fleet.idx
+            return _View(
+                replica=None,
+                idx=idx,
+                whole=everyone,
+                ids=fleet.ids,
+                in_flight=self.in_flight if everyone else self.in_flight[idx],
+                kv_tokens=self.kv_tokens if everyone else self.kv_tokens[idx],
+            )
+        replica = info.replica_for(a)
+        idx, in_flight, kv = info.loads(replica, now)
+        return _View(
+            replica=replica,
+            idx=idx,
+            whole=idx.size == len(self.workers),
+            ids=tuple(self.worker_ids[i] for i in idx),
+            in_flight=in_flight,
+            kv_tokens=kv,
+        )
+
+    def _measure(self, view: _View) -> None:
+        """A measured decision: its replica's view errors, the fleet's imbalance (both
+        before the decision counts)."""
+        in_flight = self.in_flight
+        if self.info is not None and view.replica is not None:
+            self.info.record_errors(view.replica, view.in_flight, in_flight[view.idx])
+        fleet = self.fleet
+        loads = in_flight if fleet.everyone else in_flight[fleet.idx]
+        mean_load = loads.mean()
+        if mean_load > 0:
+            self.record.imbalance.append(float(loads.max() / mean_load))
+
+    def _assign(
+        self, a: int, req_idx: int, w: int, replica: RouterReplica | None, now: float
+    ) -> None:
+        """Arrival `a` goes to worker `w`: it counts there from now (its KV with it); its
+        job reaches the worker now, or after the information model's dispatch."""
+        self.record.assigned_s[a] = now
+        self.in_flight[w] += 1
+        prompt_tokens = self.requests[req_idx].prompt_tokens
+        self.workers[w].expect(prompt_tokens)
+        self.kv_tokens[w] += prompt_tokens
+        if self.activity is not None and self.demands is not None:
+            self.activity.add(self.worker_ids[w], str(a), self.demands[req_idx], now)
+        if self.controller is not None:
+            self.seen_arrivals.append((a, req_idx, now, w))
+        if self.info is not None and replica is not None:
+            self.info.decided(replica, w, a, req_idx, prompt_tokens, now)
+        else:
+            self._submit(w, a, now)
+
+    def _submit(self, w: int, a: int, now: float) -> None:
+        """Arrival `a`'s job reaches worker `w`; an idle worker starts a step at once."""
+        self.record.submitted_s[a] = now
+        req = self.requests[int(self.arrival_requests[a])]
+        self.workers[w].enqueue(
+            DecodeTask(
+                request_id=str(a),
+                prompt_tokens=req.prompt_tokens,
+                flat=req.decode_flat,
+                num_moe_layers=self.num_moe_layers,
+                submitted_s=now,
+                label=req.label,
+            ),
+            expected=True,
+        )
+        if self.plans[w] is None:
+            self._start_step(w, now)
+
+    # --- control events -------------------------------------------------------------------
+
+    def _on_control(self, now: float, kind: int, payload: object) -> None:
+        if kind == _FLEET:
+            assert isinstance(payload, FleetEvent)
+            self.fleet.apply(payload, now)
+        elif kind == _TICK:
+            self._tick(now)
+        else:
+            assert isinstance(payload, ScoreUpdate)
+            self.partition.swap(payload, now)
+
+    def _tick(self, now: float) -> None:
+        """Call the controller with what happened since its last call; schedule the swap it
+        returns (after its delay) and its next call."""
+        controller = self.controller
+        assert controller is not None
+        obs = SimObservation(
+            now_s=now,
+            live=tuple(int(i) for i in self.fleet.idx),
+            arrivals=tuple(self.seen_arrivals),
+            finished=tuple(self.seen_finished),
+            version=self.partition.version,
+        )
+        self.seen_arrivals.clear()
+        self.seen_finished.clear()
+        update = controller.on_tick(obs)
+        if update is not None:
+            expected = (len(self.requests), self.config.num_workers)
+            if update.scores.shape != expected:
+                raise ValueError(f"update scores shaped {update.scores.shape}, expected {expected}")
+            at_s = now + max(0.0, update.delay_s)
+            heapq.heappush(self.control, (at_s, next(self._tie), _SWAP, update))
+        heapq.heappush(self.control, (now + controller.period_s, next(self._tie), _TICK, None))
+
+    # --- the result -----------------------------------------------------------------------
+
+    def result(self) -> SimResult:
+        n_arr = self.config.num_arrivals
+        rec, info = self.record, self.info
+        measured = np.arange(rec.warm_idx, n_arr)
+        tokens = np.array(
+            [self.requests[self.arrival_requests[a]].decode_tokens for a in measured],
+            dtype=np.float64,
+        )
+        return SimResult(
+            policy=self.policy.name,
+            arrival_rate_per_s=self.config.arrival_rate_per_s,
+            tpot_s=(rec.finished_s[measured] - rec.submitted_s[measured]) / tokens,
+            queue_s=rec.queue_s[measured],
+            worker_of=rec.worker_of,
+            union_per_layer_steps=np.asarray(rec.union_samples, dtype=np.float64),
+            batch_steps=np.asarray(rec.batch_samples, dtype=np.int64),
+            imbalance_samples=np.asarray(rec.imbalance, dtype=np.float64),
+            assigned_per_worker=np.bincount(
+                rec.worker_of[measured], minlength=self.config.num_workers
+            ),
+            fallbacks=rec.fallbacks,
+            queued_share=float(rec.blocked[measured].mean()) if measured.size else 0.0,
+            sim_end_s=self.now,
+            assigned_s=rec.assigned_s,
+            finished_s=rec.finished_s,
+            version_of=rec.version_of,
+            union_step_s=np.asarray(rec.union_times, dtype=np.float64),
+            joined_s=self.fleet.joined_s,
+            left_s=self.fleet.left_s,
+            swaps=self.partition.swaps,
+            submitted_s=rec.submitted_s,
+            replica_of=(info.replica_of if info is not None else np.zeros(n_arr, dtype=np.int64)),
+            view_error=(
+                np.asarray(info.view_error, dtype=np.float64) if info is not None else np.zeros(0)
+            ),
+            activity_excess=(
+                np.asarray(info.activity_excess, dtype=np.int64)
+                if info is not None and self.demands is not None
+                else np.zeros(0, dtype=np.int64)
+            ),
+        )
 
 
 @dataclass(frozen=True)
@@ -735,7 +927,7 @@ class _Information:
         model: InformationModel,
         policy: Policy,
         worker_ids: tuple[str, ...],
-        workers: list[_Worker],
+        workers: list[BatchingWorker],
         demands: Sequence[ExpertDemand] | None,
         config: SimConfig,
     ) -> None:
@@ -898,11 +1090,10 @@ class _Information:
         assert self._submit is not None
         self._submit(w, a, now)
 
-    def finished(self, a: int, now: float) -> None:
-        """Arrival `a` produced its last token: the routers hear of it after the lag."""
-        rid = str(a)
+    def finished(self, request_id: str, now: float) -> None:
+        """The request produced its last token: the routers hear of it after the lag."""
         if self.model.finish_lag_s > 0:
-            self.push(now + self.model.finish_lag_s, _Finish(rid))
+            self.push(now + self.model.finish_lag_s, _Finish(request_id))
         else:
             for rep in self.replicas:
-                rep.on_finished(rid, now)
+                rep.on_finished(request_id, now)

@@ -1,30 +1,37 @@
 """One simulated decode worker's continuous batching, as a pure state machine.
 
-Shared by the discrete-event simulator (`eldr.sim.cluster`, simulated time) and the live
-simulated decode workers (`eldr_services.simdecode`, scaled real time). The caller owns the
-clock: it calls `start_step(now_s)`, waits the returned plan's `duration_s` (simulated or
-real), then calls `finish_step(now_s)`; nothing here reads a clock or sleeps.
+Shared by the discrete-event simulator (`eldr.sim.cluster`, simulated time, one worker per
+decode worker slot) and the live simulated decode workers (`eldr_services.simdecode`, scaled
+real time). The caller owns the clock: it calls `start_step(now_s)`, waits the returned
+plan's `duration_s` (simulated or real), then calls `finish_step(plan, now_s)`; nothing here
+reads a clock or sleeps.
 
-Semantics, the same as the simulator's:
+Semantics:
 
 - A submitted request waits until the next step boundary; there the waiting requests join
   the batch in arrival order while the batch has fewer than `max_batch` requests and their
   KV (prompt plus decode budget) fits `kv_capacity_tokens` (a lone request is always
   admitted, so an oversized one cannot block the queue forever). A boundary earlier than a
   request's submission does not admit it (a live worker running its steps on schedule
-  while it catches up with a late event loop).
+  while it catches up with a late event loop). A request still waiting after a boundary
+  that it could have joined is `blocked` (it waited for a batch slot or for KV).
 - A step advances every running request by one decode token. It costs what the cost model
   says for the distinct (MoE layer, expert) pairs the batch's current decode tokens route
-  to and for the KV tokens the batch's attention reads (those of the running requests).
+  to and for the KV tokens it is charged for (`step_kv`): the running requests' (what the
+  batch's attention reads), or all the worker holds.
 - A request finishes at the end of the step that produced its last decode token; its TPOT
   is (finish - submit) / decode tokens, so queueing before admission counts, as a user
   waiting for tokens would see it.
+- KV held: every request's prompt (its KV arrived with it) plus the decode tokens generated
+  so far; a request announced with `expect` holds its prompt's KV from then on, before its
+  job arrives (the simulator counts a request's KV at its worker from the routing decision).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
@@ -33,6 +40,9 @@ from eldr.core.workload.trace import expert_counts
 
 MAX_TPOT_SAMPLES = 65_536
 """Newest per-request TPOTs kept for statistics (the `SimStats.tpot_s` bound)."""
+
+StepKv = Literal["batch", "held"]
+"""What a step's KV term counts: the running requests' KV, or all KV the worker holds."""
 
 
 def flatten_decode_ids(decode_ids: np.ndarray, num_experts: int) -> np.ndarray:
@@ -78,28 +88,28 @@ class UnionCounter:
         return distinct
 
 
-@dataclass
+@dataclass(slots=True, eq=False)
 class DecodeTask:
     """A request inside a worker: waiting, or running at decode token `position`."""
 
     request_id: str
-    label: str
     prompt_tokens: int
-    decode_ids: np.ndarray
-    """int16 [decode_tokens, moe_layers, top_k] as received."""
     flat: np.ndarray
     """int32 [decode_tokens, moe_layers * top_k], layer-offset ids."""
+    num_moe_layers: int
     submitted_s: float
+    label: str = ""
+    decode_ids: np.ndarray | None = None
+    """int16 [decode_tokens, moe_layers, top_k] as received, for the decode profile (None:
+    the simulator's requests, flattened once for every arrival that replays them)."""
+    decode_tokens: int = field(init=False)
     position: int = 0
     admitted_s: float | None = None
+    blocked: bool = False
+    """Still waiting after a step boundary it could have joined (batch or KV full)."""
 
-    @property
-    def decode_tokens(self) -> int:
-        return int(self.flat.shape[0])
-
-    @property
-    def num_moe_layers(self) -> int:
-        return int(self.decode_ids.shape[1])
+    def __post_init__(self) -> None:
+        self.decode_tokens = int(self.flat.shape[0])
 
     @property
     def kv_reserved_tokens(self) -> int:
@@ -117,7 +127,7 @@ class StepPlan:
     union_per_layer: float
     """union_total / MoE layers: distinct experts per layer."""
     kv_tokens: int
-    """KV tokens of the running requests (what the step's attention reads)."""
+    """KV tokens the step is charged for (`BatchingWorker.step_kv`)."""
     duration_s: float
     """Step time by the cost model (simulated seconds)."""
     admitted: tuple[str, ...]
@@ -129,12 +139,22 @@ class FinishedRequest:
     request_id: str
     label: str
     decode_tokens: int
-    decode_counts: np.ndarray
-    """int32 [moe_layers, num_experts]: decode expert counts over all generated tokens."""
     tpot_s: float
     """(finish - submit) / decode tokens, in the caller's time unit."""
     queue_s: float
     """Submit -> admission into the batch."""
+    blocked: bool
+    """It waited past a step boundary for a batch slot or KV (`DecodeTask.blocked`)."""
+    decode_ids: np.ndarray | None
+    num_experts: int
+
+    @property
+    def decode_counts(self) -> np.ndarray:
+        """int32 [moe_layers, num_experts]: decode expert counts over all generated tokens
+        (counted when asked: only a worker that publishes decode profiles needs them)."""
+        if self.decode_ids is None:
+            raise ValueError(f"request {self.request_id} was queued without its decode ids")
+        return expert_counts(self.decode_ids, self.num_experts)
 
 
 @dataclass
@@ -160,7 +180,11 @@ class BatchingWorker:
     """Continuous batching of one decode worker (see the module docstring).
 
     num_experts: the model's experts per MoE layer; every expert id must lie below it, and
-    decode profiles are shaped [moe_layers, num_experts].
+    decode profiles are shaped [moe_layers, num_experts]. kv_capacity_tokens: None for no
+    limit. step_kv: what a step's KV term counts: "batch", the running requests' KV (what
+    the attention reads; simdecode), or "held", all KV the worker holds, waiting and
+    expected requests' prompts included (the discrete-event simulator's cost, on which its
+    recorded results rest).
     """
 
     def __init__(
@@ -170,25 +194,36 @@ class BatchingWorker:
         *,
         num_experts: int,
         max_batch: int = 64,
-        kv_capacity_tokens: int = 1 << 20,
+        kv_capacity_tokens: int | None = 1 << 20,
+        step_kv: StepKv = "batch",
     ) -> None:
         if num_experts <= 0:
             raise ValueError(f"num_experts must be positive, got {num_experts}")
         if max_batch <= 0:
             raise ValueError(f"max_batch must be positive, got {max_batch}")
-        if kv_capacity_tokens <= 0:
+        if kv_capacity_tokens is not None and kv_capacity_tokens <= 0:
             raise ValueError(f"kv_capacity_tokens must be positive, got {kv_capacity_tokens}")
+        if step_kv not in ("batch", "held"):
+            raise ValueError(f"step_kv must be 'batch' or 'held', got {step_kv!r}")
         self.worker_id = worker_id
         self.cost = cost
         self.num_experts = num_experts
         self.max_batch = max_batch
         self.kv_capacity_tokens = kv_capacity_tokens
+        self.step_kv = step_kv
         self.running: list[DecodeTask] = []
         self.waiting: deque[DecodeTask] = deque()
         self.stats = WorkerStats()
         self._ids: set[str] = set()
         self._union = UnionCounter(num_experts)
         self._kv_running = 0
+        """KV of the running requests: prompts plus decode tokens so far."""
+        self._kv_waiting = 0
+        """Prompts of the waiting requests."""
+        self._kv_expected = 0
+        """Prompts of the requests announced with `expect` whose jobs have not arrived."""
+        self._kv_budget = 0
+        """Prompt plus decode budget of the running requests (what admission checks)."""
 
     # --- state ------------------------------------------------------------------------
 
@@ -198,9 +233,9 @@ class BatchingWorker:
 
     @property
     def kv_tokens(self) -> int:
-        """KV tokens held: every request's prompt (its KV arrived with it) plus the decode
-        tokens generated so far."""
-        return self._kv_running + sum(t.prompt_tokens for t in self.waiting)
+        """KV tokens held: every request's prompt (its KV arrived with it, or is on its way
+        for an expected one) plus the decode tokens generated so far."""
+        return self._kv_running + self._kv_waiting + self._kv_expected
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._ids
@@ -229,7 +264,7 @@ class BatchingWorker:
         prompt_tokens: int = 0,
         label: str = "",
     ) -> str | None:
-        """Queue a request; returns None, or the reason it was refused."""
+        """Check and queue a request; returns None, or the reason it was refused."""
         if request_id in self._ids:
             return "duplicate request id"
         problem = self.check(decode_ids)
@@ -237,53 +272,75 @@ class BatchingWorker:
             return problem
         if prompt_tokens < 0:
             return f"prompt_tokens must be non-negative, got {prompt_tokens}"
-        task = DecodeTask(
-            request_id=request_id,
-            label=label,
-            prompt_tokens=prompt_tokens,
-            decode_ids=decode_ids,
-            flat=flatten_decode_ids(decode_ids, self.num_experts),
-            submitted_s=now_s,
+        self.enqueue(
+            DecodeTask(
+                request_id=request_id,
+                prompt_tokens=prompt_tokens,
+                flat=flatten_decode_ids(decode_ids, self.num_experts),
+                num_moe_layers=int(decode_ids.shape[1]),
+                submitted_s=now_s,
+                label=label,
+                decode_ids=decode_ids,
+            )
         )
-        self._union.ensure(task.num_moe_layers * self.num_experts)
-        self._ids.add(request_id)
-        self.waiting.append(task)
         return None
+
+    def expect(self, prompt_tokens: int) -> None:
+        """A request was routed here and its job is on its way: its prompt's KV counts as
+        held from now; `enqueue(..., expected=True)` takes it over when the job arrives."""
+        self._kv_expected += prompt_tokens
+
+    def enqueue(self, task: DecodeTask, *, expected: bool = False) -> None:
+        """Queue a task that is already checked and flattened (`submit` checks a job's;
+        the simulator's requests are flattened once for every arrival that replays them).
+        expected: it was announced with `expect`."""
+        self._union.ensure(task.num_moe_layers * self.num_experts)
+        self._ids.add(task.request_id)
+        self.waiting.append(task)
+        self._kv_waiting += task.prompt_tokens
+        if expected:
+            self._kv_expected -= task.prompt_tokens
 
     def _admit(self, now_s: float) -> list[str]:
         admitted: list[str] = []
-        reserved = sum(t.kv_reserved_tokens for t in self.running)
-        while self.waiting and len(self.running) < self.max_batch:
-            task = self.waiting[0]
+        running, waiting, capacity = self.running, self.waiting, self.kv_capacity_tokens
+        while waiting and len(running) < self.max_batch:
+            task = waiting[0]
             if task.submitted_s > now_s:
                 break  # not there yet at this step boundary (a live worker catching up)
-            if self.running and reserved + task.kv_reserved_tokens > self.kv_capacity_tokens:
+            budget = task.kv_reserved_tokens
+            if capacity is not None and running and self._kv_budget + budget > capacity:
                 break
-            self.waiting.popleft()
+            waiting.popleft()
             task.admitted_s = now_s
-            self.running.append(task)
+            running.append(task)
+            self._kv_waiting -= task.prompt_tokens
             self._kv_running += task.prompt_tokens
-            reserved += task.kv_reserved_tokens
+            self._kv_budget += budget
             admitted.append(task.request_id)
+        for task in waiting:
+            if task.submitted_s <= now_s:
+                task.blocked = True
         return admitted
 
     def start_step(self, now_s: float) -> StepPlan | None:
         """Admit waiting requests, then plan the next step; None when there is nothing to
         run (the worker is idle)."""
         admitted = self._admit(now_s)
-        if not self.running:
+        running = self.running
+        if not running:
             return None
-        rows = [t.flat[t.position] for t in self.running]
+        rows = [t.flat[t.position] for t in running]
         ids = np.concatenate(rows) if len(rows) > 1 else rows[0]
         union_total = self._union.count(ids)
-        layers = max(t.num_moe_layers for t in self.running)
-        kv = self._kv_running
+        layers = max(t.num_moe_layers for t in running)
+        kv = self._kv_running if self.step_kv == "batch" else self.kv_tokens
         return StepPlan(
-            batch_size=len(self.running),
+            batch_size=len(running),
             union_total=union_total,
             union_per_layer=union_total / layers,
             kv_tokens=kv,
-            duration_s=self.cost.step_time_s(union_total, kv, len(self.running)),
+            duration_s=self.cost.step_time_s(union_total, kv, len(running)),
             admitted=tuple(admitted),
         )
 
@@ -296,13 +353,14 @@ class BatchingWorker:
         stats.batch_sum += plan.batch_size
         finished: list[FinishedRequest] = []
         keep: list[DecodeTask] = []
+        self._kv_running += len(self.running)
         for task in self.running:
             task.position += 1
-            self._kv_running += 1
             if task.position < task.decode_tokens:
                 keep.append(task)
                 continue
             self._kv_running -= task.prompt_tokens + task.decode_tokens
+            self._kv_budget -= task.prompt_tokens + task.decode_tokens
             self._ids.discard(task.request_id)
             tpot_s = (now_s - task.submitted_s) / task.decode_tokens
             admitted_s = task.admitted_s if task.admitted_s is not None else task.submitted_s
@@ -311,9 +369,11 @@ class BatchingWorker:
                     request_id=task.request_id,
                     label=task.label,
                     decode_tokens=task.decode_tokens,
-                    decode_counts=expert_counts(task.decode_ids, self.num_experts),
                     tpot_s=tpot_s,
                     queue_s=admitted_s - task.submitted_s,
+                    blocked=task.blocked,
+                    decode_ids=task.decode_ids,
+                    num_experts=self.num_experts,
                 )
             )
             stats.finished += 1
@@ -327,7 +387,7 @@ class BatchingWorker:
         self.running = []
         self.waiting.clear()
         self._ids.clear()
-        self._kv_running = 0
+        self._kv_running = self._kv_waiting = self._kv_expected = self._kv_budget = 0
         return dropped
 
     def reset_stats(self) -> None:
