@@ -5,6 +5,7 @@ replay of a fixed assignment."""
 from __future__ import annotations
 
 import argparse
+import math
 from types import SimpleNamespace
 from typing import Any
 
@@ -22,6 +23,7 @@ from eldr.dev.compare import (
     PolicyComparison,
     cuts,
     live_view_error,
+    seen_in_flight,
 )
 from eldr.dev.demo import (
     BASELINES,
@@ -36,6 +38,7 @@ from eldr.dev.demo import (
     run_config_fields,
     with_baselines,
 )
+from support.messages import decision
 
 SMALL = SyntheticSpec(
     num_topics=3, num_moe_layers=4, num_experts=16, top_k=1, decode_len_range=(8, 16)
@@ -203,3 +206,31 @@ def test_the_command_line_adds_the_baselines_and_can_draw_with_replacement() -> 
     assert fields["arrivals_apart"] is False
     assert tuple(p.name for p in fields["policies"]) == (*BASELINES, "eldr")
     assert run_config_fields(parser.parse_args([]), DemoConfig.policies)["arrivals_apart"]
+
+
+def test_the_live_load_view_is_read_from_the_candidates_of_a_fleet_scale_record() -> None:
+    full = decision("a", "decode-0", fleet=[("decode-0", 2, 10), ("decode-1", 3, 20)])
+    fleet_scale = decision(
+        "b",
+        "decode-1",
+        considered=[("decode-1", 4, 30, 0.9, 5.0, 0.5)],
+        live_workers=2,
+        fleet_totals=(7, 60),
+    )
+    seen = seen_in_flight([full, fleet_scale], decoders=2)
+    assert seen.tolist() == [[2, 3], [-1, 4]]
+
+
+def test_a_live_load_error_with_nothing_listed_is_not_a_number() -> None:
+    live = LivePass(
+        policy="p",
+        trace_index=np.array([0]),
+        decided_s=np.array([0.0]),
+        worker=np.array([0]),
+        router=np.array([0]),
+        seen_in_flight=np.array([[-1, -1]]),
+        finish_s=np.array([1.0]),
+        delays={},
+        fallbacks={},
+    )
+    assert math.isnan(live_view_error(live))

@@ -44,8 +44,10 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -231,10 +233,7 @@ def build_pass(
         last_token = job_sent + report_hop + prof.tokens * prof.tpot_s * time_scale
         finish_s[i] = last_token - t0
         finish_lag.append(recv - last_token)
-    seen = np.full((n, decoders), -1, dtype=np.int64)
-    for i, (_, (d, _)) in enumerate(rows):
-        for wid, in_flight, _kv in d.fleet:
-            seen[i, _slot(wid)] = in_flight
+    seen = seen_in_flight([d for _, (d, _) in rows], decoders)
     fallbacks: dict[str, int] = {}
     for _, (d, _) in rows:
         if d.fallback:
@@ -257,6 +256,17 @@ def build_pass(
         },
         fallbacks=fallbacks,
     )
+
+
+def seen_in_flight(decisions: Sequence[Decision], decoders: int) -> np.ndarray:
+    """int64 [decisions, workers]: the in-flight count each decision read of each worker, -1
+    where it read none. A fleet-scale profile's record lists its candidates' loads in
+    `considered` and leaves `fleet` empty; the others list the whole fleet in `fleet`."""
+    seen = np.full((len(decisions), decoders), -1, dtype=np.int64)
+    for i, d in enumerate(decisions):
+        for wid, in_flight, *_ in d.fleet or d.considered:
+            seen[i, _slot(wid)] = in_flight
+    return seen
 
 
 def _slot(worker_id: str) -> int:
@@ -283,7 +293,7 @@ def live_view_error(live: LivePass) -> float:
     over the workers each decision listed (a fleet-scale profile lists its candidates)."""
     truth = true_in_flight(live)
     listed = live.seen_in_flight >= 0
-    return float(np.abs(live.seen_in_flight - truth)[listed].mean()) if listed.any() else 0.0
+    return float(np.abs(live.seen_in_flight - truth)[listed].mean()) if listed.any() else math.nan
 
 
 def split_pattern(router: np.ndarray) -> dict[str, Any]:
@@ -520,7 +530,7 @@ def _of_live(r: PolicyResult, view_error: float) -> Measured:
         tpot_p50_ms=r.tpot_p50_ms,
         tpot_p99_ms=r.tpot_p99_ms,
         batch=r.batch_mean,
-        view_error=round(view_error, 3),
+        view_error=None if math.isnan(view_error) else round(view_error, 3),
     )
 
 
@@ -708,7 +718,7 @@ def format_compare(result: CompareResult) -> str:
                 f"{d_rep[key]:>+6.2f}%"
             )
         lines.append(
-            f"{'':<14} load error: live {c.live.view_error:.2f}, sim "
+            f"{'':<14} load error: live {c.live.view_error}, sim "
             f"{c.sim_live_information.view_error} requests/worker; activity excess (sim) "
             f"{c.sim_live_information.activity_excess}; "
             f"target {'met' if c.meets_target() else 'MISSED'}"
