@@ -198,7 +198,7 @@ class RetentionSettings(BaseSettings):
     load_max_age_s: float = Field(default=600.0, gt=0, description="LoadReport retention.")
     load_max_bytes: int = Field(default=128 << 20, gt=0, description="Size cap of LOAD.")
     profiles_max_age_s: float = Field(
-        default=7 * 86400.0, gt=0, description="DecodeProfile retention."
+        default=7 * 86400.0, gt=0, description="DecodeSummary retention."
     )
     profiles_max_bytes: int = Field(default=1 << 30, gt=0, description="Size cap of PROFILES.")
     finished_max_age_s: float = Field(

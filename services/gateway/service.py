@@ -48,7 +48,7 @@ from eldr.roles.prefill import unavailable_prefill_done
 from eldr.roles.requester import DecisionWaiters, FinishTracker, InFlight
 from eldr.runtime import ServiceContext, service_main
 from eldr.vllm.gateway import (
-    CaptureStates,
+    CaptureWatch,
     SseRelay,
     UpstreamHealth,
     prompt_tokens_of,
@@ -133,7 +133,7 @@ class Gateway:
         self.requests = InFlight()
         self.response_sources: dict[str, ResponseSource] = {}
         """Per prefill instance, when the gateway publishes the prefill's routing itself."""
-        self.capture = CaptureStates(
+        self.capture = CaptureWatch(
             self.prefills,
             started_s=time.monotonic(),
             grace_s=s.gateway_capture_grace_s,

@@ -128,7 +128,7 @@ class RouterMetrics:
         self.finished = Counter(
             "eldr_router_finish_events_total",
             "Finish events taken, by reason (stop, length, abort, error, moved; profile for "
-            "a decode profile) and whether this replica tracked the request (tracked, "
+            "a decode summary) and whether this replica tracked the request (tracked, "
             "untracked).",
             ["reason", "outcome"],
             registry=r,

@@ -2,7 +2,7 @@
 
 Inputs: PrefillDone events (JetStream, durable consumer shared by all replicas, at least
 once), load reports (core), every replica's decisions (to keep the fleet-wide load table),
-the gateways' finish events and decode profiles (a request leaves the load and activity
+the gateways' finish events and decode summaries (a request leaves the load and activity
 tables), partition announcements (`partitions.PartitionLoader`). For each PrefillDone: take
 its signature (`eldr.roles.signature`: carried in the event when the prefill worker held
 every cached block, else request/reply to the signature service for the cached blocks,
@@ -43,7 +43,7 @@ from eldr.runtime import ServiceContext, service_main
 from eldr.wire import (
     Decision,
     DecisionAssignment,
-    DecodeProfile,
+    DecodeSummary,
     LoadReport,
     PartitionAnnouncement,
     PrefillDone,
@@ -124,7 +124,7 @@ class RouterService:
         if self.events.on_record(msg, time.monotonic()) == "decision_geometry":
             self.metrics.rejected_inputs.labels("decision_geometry").inc()
 
-    async def on_profile(self, msg: DecodeProfile, _: Delivery) -> None:
+    async def on_summary(self, msg: DecodeSummary, _: Delivery) -> None:
         # A finished request: its experts no longer weigh on its worker's steps.
         tracked = self.events.on_finished(msg.request_id, time.monotonic())
         self.metrics.finished.labels("profile", "tracked" if tracked else "untracked").inc()
@@ -342,7 +342,7 @@ async def setup(ctx: ServiceContext[RouterSettings]) -> None:
     )
     await bus.subscribe(subjects.decisions_all, DecisionAssignment, svc.on_decision)
     await bus.subscribe(
-        subjects.profiles_all, DecodeProfile, svc.on_profile, identity=IDENTITY[DecodeProfile]
+        subjects.profiles_all, DecodeSummary, svc.on_summary, identity=IDENTITY[DecodeSummary]
     )
     await bus.subscribe(
         subjects.finished_all,

@@ -25,7 +25,7 @@ class RouterSettings(CommonSettings, GeometrySettings, RoutingSettings):
         default=DEFAULT_TTL_S,
         gt=0,
         description="Cost-aware routing counts a request's experts against its worker until "
-        "the gateway's finish event (or its decode profile) arrives, or for at most this "
+        "the gateway's finish event (or its decode summary) arrives, or for at most this "
         "long: the longest a request decodes (default: 4,096 tokens at 30 ms each, ~123 s) "
         "plus the time to be admitted.",
     )

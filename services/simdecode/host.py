@@ -13,8 +13,8 @@ Bus surface per worker: `DecodeJob` requests on `{ns}.sim.decode.{worker}` (answ
 once), `LoadReport`s on `{ns}.load.{worker}` every report interval, a `DecodeJobDone` to
 the job's `done_to` inbox when its decode ends (what the real gateway sees when the
 response stream closes; the simulated gateway turns it into the same `RequestFinished`),
-a `DecodeProfile` on `{ns}.profiles.{worker}` per finished request unless
-`publish_profiles` is off (a real vLLM decode instance publishes one only with the capture
+a `DecodeSummary` on `{ns}.profiles.{worker}` per finished request unless
+`publish_summaries` is off (a real vLLM decode instance publishes one only with the capture
 plugin on), and a `SimStats` answer to every `SimStatsRequest` on `{ns}.sim.stats`.
 """
 
@@ -31,13 +31,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from eldr.bus import Bus, BusError
-from eldr.core.costmodel import CostProfile
+from eldr.core.costmodel import Deployment
 from eldr.sim.worker import BatchingWorker, FinishedRequest
 from eldr.wire import (
     DecodeJob,
     DecodeJobAck,
     DecodeJobDone,
-    DecodeProfile,
+    DecodeSummary,
     LoadReport,
     NdArray,
     SimStats,
@@ -51,8 +51,8 @@ from .metrics import SimDecodeMetrics
 
 log = logging.getLogger(__name__)
 
-PROFILE_RETRY_S = 30.0
-"""How long a decode profile's publish is retried through a NATS cluster's expected faults
+SUMMARY_RETRY_S = 30.0
+"""How long a decode summary's publish is retried through a NATS cluster's expected faults
 (a PROFILES leader election takes 4-9 s) before it is dropped and counted."""
 
 
@@ -61,16 +61,16 @@ class HostConfig:
     """What the host needs from the settings (kept separate so tests build it directly)."""
 
     worker_ids: tuple[str, ...]
-    cost: CostProfile
+    cost: Deployment
     num_experts: int
     time_scale: float = 1.0
     max_batch: int = 64
     kv_capacity_tokens: int = 1_000_000
     report_interval_s: float = 0.1
     drain_grace_s: float = 5.0
-    profile_queue: int = 10_000
-    publish_profiles: bool = True
-    """Publish a DecodeProfile per finished request (off: like a decode instance without
+    summary_queue: int = 10_000
+    publish_summaries: bool = True
+    """Publish a DecodeSummary per finished request (off: like a decode instance without
     the capture plugin; the finish events alone close the loop)."""
     max_lag_s: float = 0.25
     """A busy worker whose event loop is late keeps its steps on the cost model's schedule
@@ -123,13 +123,13 @@ class SimDecodeHost:
             )
             for wid in config.worker_ids
         }
-        self._profiles: asyncio.Queue[tuple[str, FinishedRequest]] = asyncio.Queue(
-            maxsize=config.profile_queue
+        self._summaries: asyncio.Queue[tuple[str, FinishedRequest]] = asyncio.Queue(
+            maxsize=config.summary_queue
         )
         self._done_to: dict[str, str] = {}
         """request id -> the inbox its DecodeJobDone goes to, while it decodes."""
         self._report_task: asyncio.Task[None] | None = None
-        self._profile_task: asyncio.Task[None] | None = None
+        self._summary_task: asyncio.Task[None] | None = None
 
     @property
     def worker_ids(self) -> tuple[str, ...]:
@@ -152,9 +152,9 @@ class SimDecodeHost:
             )
             live.task = asyncio.create_task(self._step_loop(wid, live), name=f"simdecode {wid}")
         self._report_task = asyncio.create_task(self._report_loop(), name="simdecode reports")
-        self._profile_task = asyncio.create_task(self._profile_loop(), name="simdecode profiles")
+        self._summary_task = asyncio.create_task(self._summary_loop(), name="simdecode summaries")
         log.info(
-            "simdecode hosting %d workers (%s), profile %s, time scale %g, incarnation %s",
+            "simdecode hosting %d workers (%s), deployment %s, time scale %g, incarnation %s",
             len(self._workers),
             ", ".join(self._workers),
             self.config.cost.name,
@@ -165,7 +165,7 @@ class SimDecodeHost:
     async def drain(self) -> int:
         """Refuse new jobs, tell the routers (a draining report), let accepted requests
         decode for up to `drain_grace_s`, abandon the rest, publish the final reports and
-        the pending profiles. Returns the number of requests abandoned."""
+        the pending summaries. Returns the number of requests abandoned."""
         self.draining = True
         await self._publish_reports()
         deadline = self._clock() + self.config.drain_grace_s
@@ -200,14 +200,14 @@ class SimDecodeHost:
                 await self._report_task
             self._report_task = None
         await self._publish_reports()
-        if self._profile_task is not None:
+        if self._summary_task is not None:
             # Publish what finished during the grace period, then stop.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._profiles.join(), timeout=5.0)
-            self._profile_task.cancel()
+                await asyncio.wait_for(self._summaries.join(), timeout=5.0)
+            self._summary_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._profile_task
-            self._profile_task = None
+                await self._summary_task
+            self._summary_task = None
         log.info("simdecode drained (%d requests abandoned)", abandoned)
         return abandoned
 
@@ -319,12 +319,12 @@ class SimDecodeHost:
                 m.finished.labels(wid).inc()
                 m.tpot_seconds.labels(wid).observe(done.tpot_s)
                 # The end of the response goes out at once, as a real decode stream closes
-                # with its last token; the profile is a separate, later publish.
+                # with its last token; the summary is a separate, later publish.
                 await self._say_done(done.request_id, wid, "length", done.decode_tokens)
-                if not self.config.publish_profiles:
+                if not self.config.publish_summaries:
                     continue
                 try:
-                    self._profiles.put_nowait((wid, done))
+                    self._summaries.put_nowait((wid, done))
                 except asyncio.QueueFull:
                     m.profiles_dropped.labels("queue_full").inc()
             self._update_gauges(wid, state)
@@ -375,13 +375,13 @@ class SimDecodeHost:
             next_s = max(next_s + interval, self._clock())
             await asyncio.sleep(next_s - self._clock())
 
-    async def _profile_loop(self) -> None:
+    async def _summary_loop(self) -> None:
         while True:
-            wid, done = await self._profiles.get()
+            wid, done = await self._summaries.get()
             try:
-                await self._publish_profile(wid, done)
+                await self._publish_summary(wid, done)
             finally:
-                self._profiles.task_done()
+                self._summaries.task_done()
 
     async def _say_done(self, request_id: str, wid: str, reason: str, tokens: int) -> None:
         """Tell the job's sender its decode ended (the simulated end of the response)."""
@@ -403,9 +403,9 @@ class SimDecodeHost:
             if not self.bus.note_fault("publish", exc, what):
                 log.warning("%s", what)
 
-    async def _publish_profile(self, wid: str, done: FinishedRequest) -> None:
+    async def _publish_summary(self, wid: str, done: FinishedRequest) -> None:
         try:
-            profile = DecodeProfile(
+            summary = DecodeSummary(
                 request_id=done.request_id,
                 worker_id=wid,
                 ts_s=self._wall(),
@@ -418,12 +418,12 @@ class SimDecodeHost:
             await self.bus.retrying(
                 "publish",
                 lambda: self.bus.js_publish(
-                    self.bus.subjects.profiles(wid), profile, msg_id=f"profile-{done.request_id}"
+                    self.bus.subjects.profiles(wid), summary, msg_id=f"profile-{done.request_id}"
                 ),
-                give_up_s=PROFILE_RETRY_S,
+                give_up_s=SUMMARY_RETRY_S,
             )
         except (BusError, WireError) as exc:
             self.metrics.profiles_dropped.labels("publish_failed").inc()
-            what = f"simdecode {wid}: profile of {done.request_id} not published: {exc}"
+            what = f"simdecode {wid}: summary of {done.request_id} not published: {exc}"
             if not self.bus.note_fault("publish", exc, what):
                 log.warning("%s", what)

@@ -74,7 +74,7 @@ class SimDecodeMetrics:
         )
         self.profiles_dropped = Counter(
             "eldr_simdecode_profiles_dropped_total",
-            "DecodeProfiles not published (queue full or publish failed).",
+            "DecodeSummaries not published (queue full or publish failed).",
             ["reason"],
             registry=registry,
         )

@@ -1,6 +1,6 @@
 """`eldr serve simdecode`: simulated decode workers for development and tests.
 
-Wiring only: settings -> cost profile -> `SimDecodeHost` (services/simdecode/host.py), whose
+Wiring only: settings -> deployment -> `SimDecodeHost` (services/simdecode/host.py), whose
 batching logic is the pure `eldr.sim.worker.BatchingWorker`. On stop (an `on_stopping`
 callback, run while still connected): refuse new jobs and publish a draining report, let
 accepted requests finish for `simdecode_drain_grace_s`, abandon the rest.
@@ -8,7 +8,7 @@ accepted requests finish for `simdecode_drain_grace_s`, abandon the rest.
 
 from __future__ import annotations
 
-from eldr.data.profiles import load_catalog
+from eldr.data.deployments import load_catalog
 from eldr.runtime import ServiceContext, service_main
 
 from .host import HostConfig, SimDecodeHost
@@ -30,8 +30,8 @@ def host_config(settings: SimDecodeSettings) -> HostConfig:
         report_interval_s=settings.simdecode_report_interval_s,
         drain_grace_s=settings.simdecode_drain_grace_s,
         max_lag_s=settings.simdecode_max_lag_s,
-        profile_queue=settings.simdecode_profile_queue,
-        publish_profiles=settings.simdecode_publish_profiles,
+        summary_queue=settings.simdecode_profile_queue,
+        publish_summaries=settings.simdecode_publish_profiles,
     )
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pydantic import Field, field_validator
 
-from eldr.data.profiles import DEFAULT_PROFILE_FOR_TRACES
+from eldr.data.deployments import DEFAULT_DEPLOYMENT_FOR_TRACES
 from eldr.settings import CommonSettings
 
 _WORKER_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
@@ -28,19 +28,19 @@ class SimDecodeSettings(CommonSettings):
         description="Prefix of generated worker ids when simdecode_workers is a count.",
     )
     simdecode_profile: str = Field(
-        default=DEFAULT_PROFILE_FOR_TRACES,
+        default=DEFAULT_DEPLOYMENT_FOR_TRACES,
         min_length=1,
-        description="Cost profile (eldr.data.profiles) that prices each decode step.",
+        description="Deployment (eldr.data.deployments) that prices each decode step.",
     )
     simdecode_profiles_file: Path | None = Field(
-        default=None, description="Cost-profile TOML to read instead of the packaged one."
+        default=None, description="Deployment TOML to read instead of the packaged one."
     )
     simdecode_num_experts: int | None = Field(
         default=None,
         ge=1,
         le=32767,
         description="Experts per MoE layer of the served model: expert ids must lie below it "
-        "and decode profiles are shaped [layers, num_experts]. Default: the cost profile's "
+        "and decode summaries are shaped [layers, num_experts]. Default: the deployment's "
         "model. Set it to the workload's geometry (e.g. 32 for the default synthetic one).",
     )
     simdecode_time_scale: float = Field(
@@ -79,12 +79,12 @@ class SimDecodeSettings(CommonSettings):
     simdecode_profile_queue: int = Field(
         default=10_000,
         ge=1,
-        description="DecodeProfiles waiting to be published; beyond it they are dropped "
+        description="DecodeSummaries waiting to be published; beyond it they are dropped "
         "and counted.",
     )
     simdecode_publish_profiles: bool = Field(
         default=True,
-        description="Publish a DecodeProfile per finished request. Off: like a real decode "
+        description="Publish a DecodeSummary per finished request. Off: like a real decode "
         "instance without the capture plugin; the simulated gateway's finish events alone "
         "tell the routers a request ended.",
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from eldr.bus.metrics import LATENCY_BUCKETS_S
-from eldr.sim.traffic import ReplaySummary, TraceReplayer
+from eldr.sim.traffic import TrafficDriver, TrafficSummary
 
 
 class SimPrefillMetrics:
@@ -28,8 +28,8 @@ class SimPrefillMetrics:
             registry=registry,
         )
 
-    def observe(self, replayer: TraceReplayer, summary: ReplaySummary) -> None:
-        for record in replayer.records:
+    def observe(self, driver: TrafficDriver, summary: TrafficSummary) -> None:
+        for record in driver.records:
             if record.decision_latency_s is not None:
                 self.latency.observe(record.decision_latency_s)
         self.requests.labels("decided").inc(summary.decided - summary.recovered)

@@ -1,6 +1,6 @@
 """`eldr serve simprefill`: a simulated prefill worker + gateway replaying traces forever.
 
-A thin shell over `eldr.sim.traffic.TraceReplayer`: load or generate the traces, replay
+A thin shell over `eldr.sim.traffic.TrafficDriver`: load or generate the traces, replay
 them in rounds at the configured rate, log each round's summary and count its outcomes.
 On stop (an `on_stopping` callback, run while still connected): stop starting requests, let
 those in flight get their decision and job, then disconnect.
@@ -17,7 +17,7 @@ from eldr.core.workload.synthetic import SyntheticSpec, generate
 from eldr.core.workload.trace import TraceSet
 from eldr.data.traces import load_trace_dir
 from eldr.runtime import ServiceContext, service_main
-from eldr.sim.traffic import ReplayConfig, TraceReplayer
+from eldr.sim.traffic import TrafficConfig, TrafficDriver
 
 from .metrics import SimPrefillMetrics
 from .settings import SimPrefillSettings
@@ -43,9 +43,9 @@ def load_traces(settings: SimPrefillSettings) -> TraceSet:
     return generate(spec, settings.simprefill_synthetic_requests, rng, id_prefix="simprefill")
 
 
-def replay_config(settings: SimPrefillSettings) -> ReplayConfig:
+def replay_config(settings: SimPrefillSettings) -> TrafficConfig:
     rate = settings.simprefill_rate_per_s
-    return ReplayConfig(
+    return TrafficConfig(
         prefill_worker=settings.simprefill_worker_id,
         model=settings.simprefill_model,
         block_size=settings.simprefill_block_size,
@@ -62,7 +62,7 @@ def replay_config(settings: SimPrefillSettings) -> ReplayConfig:
 
 
 async def replay_forever(
-    replayer: TraceReplayer, settings: SimPrefillSettings, metrics: SimPrefillMetrics
+    driver: TrafficDriver, settings: SimPrefillSettings, metrics: SimPrefillMetrics
 ) -> None:
     remaining = settings.simprefill_count or None
     while remaining is None or remaining > 0:
@@ -71,8 +71,8 @@ async def replay_forever(
             if remaining is None
             else min(remaining, settings.simprefill_round)
         )
-        summary = await replayer.run(n)
-        metrics.observe(replayer, summary)
+        summary = await driver.run(n)
+        metrics.observe(driver, summary)
         log.info(
             "simprefill round: %d sent, %d decided (%d from the stream), %d lost, "
             "p50 %.2f ms, p99 %.2f ms, %d errors",
@@ -86,7 +86,7 @@ async def replay_forever(
         )
         if remaining is not None:
             remaining -= n
-        if len(replayer.records) < n:
+        if len(driver.records) < n:
             return  # asked to stop
     log.info("simprefill replayed its %d requests; idle", settings.simprefill_count)
 
@@ -95,17 +95,17 @@ async def setup(ctx: ServiceContext[SimPrefillSettings]) -> None:
     settings = ctx.settings
     traces = await asyncio.to_thread(load_traces, settings)
     log.info("simprefill replaying %d traces from %s", len(traces), traces.source)
-    replayer = TraceReplayer(ctx.bus, traces, replay_config(settings))
-    await replayer.start()
+    driver = TrafficDriver(ctx.bus, traces, replay_config(settings))
+    await driver.start()
     metrics = SimPrefillMetrics(ctx.registry)
     # A crash is logged and makes the service not ready (ServiceContext.spawn).
-    replay = ctx.spawn("replay", lambda: replay_forever(replayer, settings, metrics))
+    replay = ctx.spawn("replay", lambda: replay_forever(driver, settings, metrics))
     ctx.set_ready()
 
     async def drain() -> None:
-        replayer.request_stop()
+        driver.request_stop()
         await replay.wait()  # the requests in flight get their decision and job
-        await replayer.close()
+        await driver.close()
 
     ctx.on_stopping(drain)
 

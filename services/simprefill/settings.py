@@ -11,7 +11,7 @@ from eldr.settings import BlockHashSettings, CommonSettings
 
 
 class SimPrefillSettings(CommonSettings, BlockHashSettings):
-    """A trace replayer (`eldr.sim.traffic`) run continuously as a service."""
+    """A traffic driver (`eldr.sim.traffic`) run continuously as a service."""
 
     simprefill_worker_id: str = Field(
         default="prefill-0",
@@ -33,7 +33,7 @@ class SimPrefillSettings(CommonSettings, BlockHashSettings):
     )
     simprefill_synthetic_topics: int = Field(default=4, ge=1, description="Synthetic topics.")
     # Defaults mirror Llama-4-Maverick's routing geometry (24 MoE layers, 128 experts,
-    # top-1), the model of simdecode's default cost profile, so the two agree out of the box.
+    # top-1), the model of simdecode's default deployment, so the two agree out of the box.
     simprefill_synthetic_layers: int = Field(
         default=24, ge=1, description="MoE layers of the synthetic model."
     )

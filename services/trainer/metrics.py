@@ -70,9 +70,9 @@ class TrainerMetrics:
         )
         self.window_samples = Gauge(
             "eldr_trainer_window_samples",
-            "Requests in the training window, with and without a decode profile; "
+            "Requests in the training window, with and without a decode summary; "
             "finished_without: finished (a gateway's finish event) with no profile, i.e. "
-            "whose decode profile is not coming.",
+            "whose decode summary is not coming.",
             ["profile"],
             registry=r,
         )
@@ -123,11 +123,11 @@ class TrainerMetrics:
         self.inputs.labels(kind, outcome).inc()
 
     def window_changed(
-        self, with_profile: int, without_profile: int, finished_without_profile: int = 0
+        self, with_summary: int, without_summary: int, finished_without_summary: int = 0
     ) -> None:
-        self.window_samples.labels("with").set(with_profile)
-        self.window_samples.labels("without").set(without_profile)
-        self.window_samples.labels("finished_without").set(finished_without_profile)
+        self.window_samples.labels("with").set(with_summary)
+        self.window_samples.labels("without").set(without_summary)
+        self.window_samples.labels("finished_without").set(finished_without_summary)
 
     def saw_live_workers(self, count: int) -> None:
         self.live_workers.set(count)

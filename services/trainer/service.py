@@ -6,7 +6,7 @@ the settings, feeds it, answers `RefitRequest`s, runs the refit schedule and exp
 it reports as metrics.
 
 Inputs: every routing decision (`{ns}.decisions.*`, with the request's prefill counts),
-decode profiles (`{ns}.profiles.*`), the gateways' finish events (`{ns}.finished.*`) and
+decode summaries (`{ns}.profiles.*`), the gateways' finish events (`{ns}.finished.*`) and
 decode workers' load reports (`{ns}.load.*`). At start the training window
 (`eldr.core.training.trainwindow`) is rebuilt by replaying the last `window_max_age_s` of DECISIONS,
 PROFILES and FINISHED (and the last `worker_ttl_s` of LOAD); the same replays then deliver
@@ -39,7 +39,7 @@ from eldr.training.trainer import (
 )
 from eldr.wire import (
     Decision,
-    DecodeProfile,
+    DecodeSummary,
     LoadReport,
     RefitReply,
     RefitRequest,
@@ -95,9 +95,9 @@ class TrainerService:
             self._check_geometry(msg.model, msg.signature.shape)
         self.trainer.add_decision(msg, delivery.timestamp_s)
 
-    async def on_profile(self, msg: DecodeProfile, delivery: Delivery) -> None:
+    async def on_summary(self, msg: DecodeSummary, delivery: Delivery) -> None:
         self._check_geometry(None, msg.counts.shape)
-        self.trainer.add_profile(msg, delivery.timestamp_s)
+        self.trainer.add_summary(msg, delivery.timestamp_s)
 
     async def on_finished(self, msg: RequestFinished, delivery: Delivery) -> None:
         self.trainer.add_finished(msg, delivery.timestamp_s)
@@ -128,10 +128,10 @@ async def setup(ctx: ServiceContext[TrainerSettings]) -> None:
         await bus.read_back(
             topo.stream_name(PROFILES),
             subjects.profiles_all,
-            DecodeProfile,
-            svc.on_profile,
+            DecodeSummary,
+            svc.on_summary,
             start_time_s=now_s - s.window_max_age_s,
-            identity=IDENTITY[DecodeProfile],
+            identity=IDENTITY[DecodeSummary],
         ),
         await bus.read_back(
             topo.stream_name(DECISIONS),
@@ -169,9 +169,9 @@ async def setup(ctx: ServiceContext[TrainerSettings]) -> None:
             len(trainer.window),
         )
     log.info(
-        "training window rebuilt: %d requests (%d with decode profiles), %d live workers",
+        "training window rebuilt: %d requests (%d with decode summaries), %d live workers",
         len(trainer.window),
-        trainer.window.with_profile,
+        trainer.window.with_summary,
         len(trainer.workers(time.time())),
     )
     await trainer.reconcile_announcement()

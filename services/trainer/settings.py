@@ -74,13 +74,13 @@ class TrainerSettings(CommonSettings, StoreSettings, GeometrySettings, RoutingSe
     )
     layer_selection: Literal["greedy", "all"] = Field(
         default=DEFAULTS.layer_selection,
-        description="MoE layers kept in signatures: forward-greedy against decode profiles, "
+        description="MoE layers kept in signatures: forward-greedy against decode summaries, "
         "or all layers.",
     )
     min_profiled: int = Field(
         default=DEFAULTS.min_profiled,
         ge=2,
-        description="Greedy layer selection needs this many requests with decode profiles; "
+        description="Greedy layer selection needs this many requests with decode summaries; "
         "with fewer every layer is kept.",
     )
     reduce_dim: int = Field(
@@ -132,7 +132,7 @@ class TrainerSettings(CommonSettings, StoreSettings, GeometrySettings, RoutingSe
     shadow_min_requests: int = Field(
         default=DEFAULTS.shadow_min_requests,
         ge=1,
-        description="Held-out requests a shadow evaluation needs (with decode profiles; "
+        description="Held-out requests a shadow evaluation needs (with decode summaries; "
         "else their prefill counts stand in); fewer: the candidate is rejected.",
     )
     shadow_batch: float = Field(

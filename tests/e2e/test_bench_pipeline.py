@@ -42,8 +42,8 @@ def test_every_request_is_decided_once_and_the_router_share_is_part_of_the_laten
     assert row["stream_doubled"] == 0
     assert 0 < row["router_p50_ms"] < row["latency_p50_ms"]
     assert row["latency_p50_ms"] <= row["latency_p99_ms"] <= row["latency_max_ms"]
-    assert set(row["rss"]) >= {"nats-server", "router-0", "signature-0", "bench (replayer)"}
-    # The replayer's prefill worker holds every block it computed: no hit needs the service.
+    assert set(row["rss"]) >= {"nats-server", "router-0", "signature-0", "bench (driver)"}
+    # The driver's prefill worker holds every block it computed: no hit needs the service.
     assert sum(row["signature_sources"].values()) == 60
     assert row["service_share"] == 0
     # (shares are rounded to four places in the report)
@@ -121,7 +121,7 @@ def test_one_run_reports_jsq_beside_the_policy_cpu_saturation_and_replicas(
         (row,) = rows
         assert row["stream_lost"] == row["stream_doubled"] == 0
         assert row["router_cpu_us_per_decision"] > 0
-        assert row["cpu"]["cpu_s"].keys() >= {"router-0", "nats-server", "bench (replayer)"}
+        assert row["cpu"]["cpu_s"].keys() >= {"router-0", "nats-server", "bench (driver)"}
         assert len(row["load_average"]) == 3
     (versus,) = result["versus"]
     assert versus["rate"] == 30.0

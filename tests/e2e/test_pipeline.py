@@ -1,6 +1,6 @@
 """The whole pipeline as processes on real NATS and real PostgreSQL (the demo's flow).
 
-2,000 requests from the trace replayer (400 calibration + 800 under round-robin + 800
+2,000 requests from the traffic driver (400 calibration + 800 under round-robin + 800
 under ELDR's band rule), then 800 more under the router's default policy, through 2 router
 replicas and 2 signature replicas: every request gets exactly one decision, and the
 simulated decode workers see a smaller expert union under both locality policies than

@@ -41,7 +41,7 @@ from eldr.core.workload.synthetic import SyntheticSpec, SyntheticWorld, generate
 from eldr.core.workload.trace import TraceSet
 from eldr.dev.natscluster import NatsCluster
 from eldr.dev.stack import Stack, StackConfig
-from eldr.sim.traffic import ReplayConfig, TraceReplayer
+from eldr.sim.traffic import TrafficConfig, TrafficDriver
 
 from .harness import (
     CLUSTER_COLUMNS,
@@ -367,10 +367,10 @@ def test_a_restarted_router_knows_what_is_in_flight(cluster_env: ClusterEnv) -> 
         bus = await Bus.connect(env.stack.bus_settings(reconnect_wait_s=0.1), "cluster-rebuild")
         try:
             await _healthy(env, bus)
-            replay = TraceReplayer(
+            driver = TrafficDriver(
                 bus,
                 env.fresh_traces(),
-                ReplayConfig(
+                TrafficConfig(
                     prefill_worker="prefill-rebuild",
                     model="faults",
                     rate_per_s=40.0,
@@ -379,8 +379,8 @@ def test_a_restarted_router_knows_what_is_in_flight(cluster_env: ClusterEnv) -> 
                     request_id_prefix=f"rebuild-{uuid.uuid4().hex[:6]}",
                 ),
             )
-            async with replay:
-                running = asyncio.create_task(replay.run(480))
+            async with driver:
+                running = asyncio.create_task(driver.run(480))
                 await asyncio.sleep(6.0)  # decodes pile up on the workers
                 restarted_s = await asyncio.to_thread(env.stack.restart, "router-0")
                 ready = time.monotonic()

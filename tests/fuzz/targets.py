@@ -26,7 +26,7 @@ from eldr.bus.topology import IDENTITY
 from eldr.core.routing.profile import EldrCostProfile, EldrProfile
 from eldr.core.signature.blocks import summarize_blocks, trace_token_ids
 from eldr.core.workload.synthetic import SyntheticSpec, generate
-from eldr.data.profiles import DEFAULT_PROFILE_FOR_TRACES, load_catalog
+from eldr.data.deployments import DEFAULT_DEPLOYMENT_FOR_TRACES, load_catalog
 from eldr.runtime import ServiceContext
 from eldr.wire import (
     AssembleReply,
@@ -35,7 +35,7 @@ from eldr.wire import (
     BlockSummaryMsg,
     Decision,
     DecodeJob,
-    DecodeProfile,
+    DecodeSummary,
     LoadReport,
     Message,
     NdArray,
@@ -203,7 +203,7 @@ def seed_messages() -> dict[type[Message], list[Message]]:
         kv_capacity_tokens=10_000,
         admitted=["seed-0"],
     )
-    profile = DecodeProfile(
+    profile = DecodeSummary(
         request_id="seed-0", worker_id="w0", ts_s=now, tokens=12, counts=_counts(rng), tpot_s=0.02
     )
     announcement = PartitionAnnouncement(
@@ -236,7 +236,7 @@ def seed_messages() -> dict[type[Message], list[Message]]:
         AssembleRequest: assembles,
         Decision: [decision],
         LoadReport: [report],
-        DecodeProfile: [profile],
+        DecodeSummary: [profile],
         PartitionAnnouncement: [announcement],
         RouterControl: [
             RouterControl(),
@@ -319,7 +319,7 @@ def _trainer(bus: Bus, registry: CollectorRegistry) -> TrainerService:
 
 
 def _simdecode(bus: Bus, registry: CollectorRegistry) -> SimDecodeHost:
-    cost = load_catalog().get(DEFAULT_PROFILE_FOR_TRACES)
+    cost = load_catalog().get(DEFAULT_DEPLOYMENT_FOR_TRACES)
     config = HostConfig(worker_ids=WORKERS, cost=cost, num_experts=E)
     return SimDecodeHost(bus, config, SimDecodeMetrics(registry))
 
@@ -570,10 +570,10 @@ def build_targets() -> list[Target]:
         ),
         _target(
             "profiles/trainer",
-            DecodeProfile,
+            DecodeSummary,
             s("profiles"),
             "read_back",
-            trainer_handler("on_profile"),
+            trainer_handler("on_summary"),
             seeds,
         ),
         _target(

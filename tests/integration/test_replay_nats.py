@@ -4,7 +4,7 @@ import it.
 The routing service runs in-process (two replicas, the default profile: the partition's band
 and the activity table) against stand-in decode
 workers that take every decision, hold each request for a while, report their loads and
-publish a decode profile when a request finishes. The window (1,200 decisions) is recorded
+publish a decode summary when a request finishes. The window (1,200 decisions) is recorded
 once per module; every test reads it back from JetStream or from an export of it.
 """
 
@@ -45,7 +45,7 @@ from eldr.runtime import run_service
 from eldr.settings import BusSettings, RetentionSettings
 from eldr.wire import (
     Decision,
-    DecodeProfile,
+    DecodeSummary,
     LoadReport,
     PartitionAnnouncement,
     PartitionBlob,
@@ -122,7 +122,7 @@ class StandInWorkers:
                     counts = topic_counts(self.rng, self.topics[d.request_id], tokens)
                     await self.bus.js_publish(
                         self.bus.subjects.profiles(w),
-                        DecodeProfile(
+                        DecodeSummary(
                             request_id=d.request_id,
                             worker_id=w,
                             ts_s=time.time(),
@@ -313,7 +313,7 @@ def test_the_recorded_configuration_reproduces_every_recorded_decision(
     assert len(log.decisions) == N_REQUESTS
     assert {d.router_id for d in log.decisions} == {"r1", "r2"}
     assert len(log.load_reports) > 0
-    assert len(log.profiles) == N_REQUESTS
+    assert len(log.summaries) == N_REQUESTS
     report = replay(log).reproduction
     assert report.checked == N_REQUESTS
     assert report.reproduced == N_REQUESTS, report.mismatches
@@ -369,7 +369,7 @@ def test_explain_prints_a_readable_answer_for_a_recorded_request(
         assert section in out
     assert "recomputed from partition version 1" in out
     assert "reproduced" in out
-    assert f"decoded {recording.log.profiles[rid].tokens} tokens on {d.worker_id}" in out
+    assert f"decoded {recording.log.summaries[rid].tokens} tokens on {d.worker_id}" in out
 
 
 def test_explain_of_an_unknown_request_fails_clearly(
@@ -409,7 +409,7 @@ def test_export_then_import_into_another_namespace_round_trips(
         d.request_id for d in recording.log.decisions
     ]
     assert reimported.decisions == recording.log.decisions
-    assert reimported.profiles == recording.log.profiles
+    assert reimported.summaries == recording.log.summaries
     assert reimported.blobs == recording.log.blobs
     assert replay(reimported).reproduction.reproduced == N_REQUESTS
 

@@ -1,5 +1,5 @@
 """Cost-aware routing in the routing service: the activity of every replica's decisions
-steers it, and the gateway's finish events or decode profiles (finished requests) release
+steers it, and the gateway's finish events or decode summaries (finished requests) release
 it; a worker's entries stay within what is in flight there."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from eldr.core.signature.signature import Calibration
 from eldr.settings import BusSettings, RetentionSettings
 from eldr.wire import (
     Decision,
-    DecodeProfile,
+    DecodeSummary,
     PrefillDone,
     RequestFinished,
     SparseCounts,
@@ -78,7 +78,7 @@ async def other_replica_decides(bus: Bus, rid: str, worker: str, experts: tuple[
 async def finished(bus: Bus, rid: str, worker: str) -> None:
     await bus.js_publish(
         bus.subjects.profiles(worker),
-        DecodeProfile(
+        DecodeSummary(
             request_id=rid,
             worker_id=worker,
             ts_s=time.time(),
@@ -227,7 +227,7 @@ async def test_cost_aware_routing_follows_activity_and_forgets_finished_requests
     assert second.worker_id == "d0"
 
 
-async def test_finish_events_release_activity_without_any_decode_profile(
+async def test_finish_events_release_activity_without_any_decode_summary(
     bus: Bus, bus_settings: BusSettings, retention: RetentionSettings
 ) -> None:
     # The same story with real decode workers that publish no profiles: the gateway's

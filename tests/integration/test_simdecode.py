@@ -1,5 +1,5 @@
 """The simulated decode workers (`eldr serve simdecode`) in-process against a real nats-server:
-jobs in; load reports, decode profiles and statistics out; a draining shutdown."""
+jobs in; load reports, decode summaries and statistics out; a draining shutdown."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from eldr.wire import (
     DecodeJob,
     DecodeJobAck,
     DecodeJobDone,
-    DecodeProfile,
+    DecodeSummary,
     LoadReport,
     NdArray,
     SimStats,
@@ -165,15 +165,15 @@ async def test_admitted_id_appears_in_two_consecutive_reports(
     assert second.incarnation == first.incarnation
 
 
-async def test_finished_request_publishes_its_decode_profile(
+async def test_finished_request_publishes_its_decode_summary(
     simdecode: ServiceFactory, bus: Bus
 ) -> None:
     await simdecode()
-    profiles = await listen(bus, bus.subjects.profiles("dB"), DecodeProfile)
+    profiles = await listen(bus, bus.subjects.profiles("dB"), DecodeSummary)
     sent = job("r2", "dB", tokens=6, seed=3)
     await bus.request(bus.subjects.sim_decode("dB"), sent, DecodeJobAck)
     profile = await profiles.wait_for(lambda p: p.request_id == "r2")  # type: ignore[attr-defined]
-    assert isinstance(profile, DecodeProfile)
+    assert isinstance(profile, DecodeSummary)
     assert profile.worker_id == "dB"
     assert profile.tokens == 6
     assert profile.tpot_s is not None
@@ -190,7 +190,7 @@ async def test_the_end_of_a_decode_goes_to_the_jobs_inbox_with_or_without_profil
     # Like a real decode instance without the capture plugin: no profile, but the sender
     # (the simulated gateway) still learns when the response ended.
     await simdecode(simdecode_publish_profiles=False)
-    profiles = await listen(bus, bus.subjects.profiles_all, DecodeProfile)
+    profiles = await listen(bus, bus.subjects.profiles_all, DecodeSummary)
     inbox = bus.new_inbox()
     done = await listen(bus, inbox, DecodeJobDone)
     sent = job("r3", "dA", tokens=4)
@@ -207,7 +207,7 @@ async def test_every_worker_answers_stats_and_reset_clears_them(
     simdecode: ServiceFactory, bus: Bus
 ) -> None:
     await simdecode()
-    profiles = await listen(bus, bus.subjects.profiles("dA"), DecodeProfile)
+    profiles = await listen(bus, bus.subjects.profiles("dA"), DecodeSummary)
     await bus.request(bus.subjects.sim_decode("dA"), job("r3", "dA", tokens=4), DecodeJobAck)
     await profiles.wait_for(lambda p: p.request_id == "r3")  # type: ignore[attr-defined]
     replies = await bus.request_many(

@@ -33,7 +33,7 @@ from eldr.store import migrate, repo
 from eldr.store.models import PartitionStatus
 from eldr.training import cli as trainer_cli
 from eldr.wire import (
-    DecodeProfile,
+    DecodeSummary,
     LoadReport,
     PartitionAnnouncement,
     PartitionBlob,
@@ -87,7 +87,7 @@ def running_trainer(settings: TrainerSettings) -> AbstractAsyncContextManager[No
 
 
 async def publish_traffic(bus: Bus, model: str, n: int, *, start: int = 0, seed: int = 0) -> None:
-    """n routed requests with signatures, and a decode profile for every other one."""
+    """n routed requests with signatures, and a decode summary for every other one."""
     traces = generate(SPEC, n, np.random.default_rng(seed)).traces
     for i, trace in enumerate(traces):
         rid = f"{model}-req-{start + i}"
@@ -100,7 +100,7 @@ async def publish_traffic(bus: Bus, model: str, n: int, *, start: int = 0, seed:
             decode = expert_counts(trace.decode, SPEC.num_experts).astype(np.uint32)
             await bus.js_publish(
                 bus.subjects.profiles(WORKERS[i % len(WORKERS)]),
-                DecodeProfile(
+                DecodeSummary(
                     request_id=rid,
                     worker_id=WORKERS[i % len(WORKERS)],
                     ts_s=time.time(),

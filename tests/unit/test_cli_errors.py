@@ -50,7 +50,7 @@ def bad(tmp_path: Path) -> Path:
         (("bench", "--traces", "{d}/missing"), "bench", ("{d}/missing", "not a directory")),
         (("bench", "--traces", "{d}/empty"), "bench", ("{d}/empty", "no trace files")),
         (("bench", "--traces", "{d}/broken"), "bench", ("{d}/broken/label/1.json", "JSON")),
-        (("bench", "--profile", "no-such-profile"), "bench", ("no-such-profile",)),
+        (("bench", "--deployment", "no-such-deployment"), "bench", ("no-such-deployment",)),
         (
             ("bench", "--scenario", "drift", "--traces", "{d}/missing"),
             "bench",

@@ -1,4 +1,4 @@
-"""Decode-step cost model and the packaged cost profiles."""
+"""Decode-step cost model and the packaged deployments."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from eldr.core.costmodel import CostProfile, GpuProfile, ModelProfile, expected_uniform_union
-from eldr.data.profiles import DEFAULT_PROFILE_FOR_TRACES, ProfileError, load_catalog
+from eldr.core.costmodel import Deployment, GpuSpec, ModelSpec, expected_uniform_union
+from eldr.data.deployments import DEFAULT_DEPLOYMENT_FOR_TRACES, DeploymentError, load_catalog
 
 
-def tiny_profile(overhead_s: float = 0.001) -> CostProfile:
-    gpu = GpuProfile("g", hbm_bytes_per_s=1e12, achievable_fraction=0.5)
-    model = ModelProfile(
+def tiny_deployment(overhead_s: float = 0.001) -> Deployment:
+    gpu = GpuSpec("g", hbm_bytes_per_s=1e12, achievable_fraction=0.5)
+    model = ModelSpec(
         "m",
         num_layers=2,
         num_moe_layers=2,
@@ -26,28 +26,28 @@ def tiny_profile(overhead_s: float = 0.001) -> CostProfile:
         dense_bits_per_param=16,
         kv_bytes_per_token=1000,
     )
-    return CostProfile("p", model, gpu, gpus_per_worker=2, overhead_s=overhead_s)
+    return Deployment("p", model, gpu, gpus_per_worker=2, overhead_s=overhead_s)
 
 
 def test_step_time_is_overhead_plus_bytes_over_bandwidth() -> None:
-    p = tiny_profile()
+    p = tiny_deployment()
     # dense 4e6 B + 3 experts * 1e6 B + 10 tokens * 1000 B over 2 * 1e12 * 0.5 B/s
     expected = 0.001 + (4e6 + 3e6 + 1e4) / 1e12
     assert p.step_time_s(3, 10) == pytest.approx(expected)
 
 
 def test_step_time_grows_with_the_expert_union() -> None:
-    p = tiny_profile()
+    p = tiny_deployment()
     assert p.step_time_s(4, 0) > p.step_time_s(3, 0)
 
 
 def test_negative_inputs_are_rejected() -> None:
     with pytest.raises(ValueError, match="non-negative"):
-        tiny_profile().step_time_s(-1, 0)
+        tiny_deployment().step_time_s(-1, 0)
 
 
 def test_with_overhead_changes_only_the_overhead() -> None:
-    p = tiny_profile()
+    p = tiny_deployment()
     q = p.with_overhead(0.0)
     assert q.step_time_s(3, 10) == pytest.approx(p.step_time_s(3, 10) - 0.001)
 
@@ -58,9 +58,9 @@ def test_uniform_union_formula() -> None:
     assert expected_uniform_union(8, 2, 0) == 0.0
 
 
-def test_packaged_profiles_load_and_maverick_matches_its_published_size() -> None:
+def test_packaged_deployments_load_and_maverick_matches_its_published_size() -> None:
     catalog = load_catalog()
-    p = catalog.get(DEFAULT_PROFILE_FOR_TRACES)
+    p = catalog.get(DEFAULT_DEPLOYMENT_FOR_TRACES)
     m = p.model
     total_params = m.dense_params + m.expert_params * m.num_experts * m.num_moe_layers
     # Llama-4-Maverick: ~400B total parameters (plus the ~1B input embedding, not read).
@@ -71,23 +71,23 @@ def test_packaged_profiles_load_and_maverick_matches_its_published_size() -> Non
         assert catalog.get(name).step_time_s(10, 100) > 0
 
 
-def test_unknown_profile_names_the_known_ones() -> None:
-    with pytest.raises(ProfileError, match="llama4-maverick"):
+def test_unknown_deployment_names_the_known_ones() -> None:
+    with pytest.raises(DeploymentError, match="llama4-maverick"):
         load_catalog().get("nope")
 
 
-def test_malformed_profile_file_is_rejected_with_its_path(tmp_path: Path) -> None:
+def test_malformed_deployment_file_is_rejected_with_its_path(tmp_path: Path) -> None:
     bad = tmp_path / "p.toml"
-    bad.write_text('schema = 1\n[overhead]\nper_layer_s = 0.1\n[profile.x]\nmodel = "m"\n')
-    with pytest.raises(ProfileError, match=r"p\.toml.*gpu"):
+    bad.write_text('schema = 1\n[overhead]\nper_layer_s = 0.1\n[deployment.x]\nmodel = "m"\n')
+    with pytest.raises(DeploymentError, match=r"p\.toml.*gpu"):
         load_catalog(bad)
     bad.write_text("schema = [")
-    with pytest.raises(ProfileError, match="not valid TOML"):
+    with pytest.raises(DeploymentError, match="not valid TOML"):
         load_catalog(bad)
 
 
 def test_a_measured_expert_cost_replaces_only_the_expert_bytes() -> None:
-    p = tiny_profile()
+    p = tiny_deployment()
     m = dataclasses.replace(p, name="m", expert_s=5e-6, token_s=1e-6)
     assert m.measured
     assert not p.measured
@@ -101,8 +101,8 @@ def test_a_measured_expert_cost_replaces_only_the_expert_bytes() -> None:
     assert m.with_overhead(0.0).expert_s == 5e-6
 
 
-def test_spec_profiles_ignore_batch_tokens_and_keep_their_exact_formula() -> None:
-    for p in load_catalog().profiles.values():
+def test_spec_deployments_ignore_batch_tokens_and_keep_their_exact_formula() -> None:
+    for p in load_catalog().deployments.values():
         if p.measured:
             continue
         exact = p.overhead_s + p.step_bytes(123.0, 4567.0) / p.worker_bytes_per_s
@@ -112,8 +112,8 @@ def test_spec_profiles_ignore_batch_tokens_and_keep_their_exact_formula() -> Non
 
 def test_measured_terms_must_be_non_negative() -> None:
     with pytest.raises(ValueError, match="expert_s"):
-        dataclasses.replace(tiny_profile(), expert_s=-1e-6)
+        dataclasses.replace(tiny_deployment(), expert_s=-1e-6)
     with pytest.raises(ValueError, match="token_s"):
-        dataclasses.replace(tiny_profile(), token_s=-1e-6)
+        dataclasses.replace(tiny_deployment(), token_s=-1e-6)
     with pytest.raises(ValueError, match="non-negative"):
-        tiny_profile().step_time_s(1, 0, -1)
+        tiny_deployment().step_time_s(1, 0, -1)

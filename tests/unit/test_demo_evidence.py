@@ -15,7 +15,7 @@ import pytest
 from eldr.core.routing.pipeline import FixedAssignment, FleetView
 from eldr.core.routing.profile import DEFAULT_PROFILE, PAPER_PROFILE, FixedAssignmentProfile
 from eldr.core.workload.synthetic import SyntheticSpec, generate
-from eldr.data.profiles import DEFAULT_PROFILE_FOR_TRACES, load_catalog
+from eldr.data.deployments import DEFAULT_DEPLOYMENT_FOR_TRACES, load_catalog
 from eldr.dev.compare import (
     CHECKS,
     LivePass,
@@ -47,7 +47,7 @@ SMALL = SyntheticSpec(
 
 def _draw(pool_size: int, rate_per_s: float, **config: Any) -> Any:
     traces = generate(SMALL, 400, np.random.default_rng(0))
-    cost = load_catalog().get(DEFAULT_PROFILE_FOR_TRACES)
+    cost = load_catalog().get(DEFAULT_DEPLOYMENT_FOR_TRACES)
     demo = DemoConfig(evaluation_requests=600, decoders=4, **config)
     return evaluation_draw(demo, traces, np.arange(pool_size), cost, rate_per_s)
 
@@ -144,9 +144,9 @@ def test_copies_are_measured_from_the_finish_events() -> None:
         SimpleNamespace(request_id=rid, trace_index=t)
         for rid, t in (("r1", 7), ("r2", 7), ("r3", 8), ("r4", 8), ("lost", 9))
     ]
-    replayer = SimpleNamespace(records=records)
-    assert clock.copies(replayer) == (0.5, 0.5)  # type: ignore[arg-type]
-    assert FinishClock(bus=None).copies(replayer) is None  # type: ignore[arg-type]
+    driver = SimpleNamespace(records=records)
+    assert clock.copies(driver) == (0.5, 0.5)  # type: ignore[arg-type]
+    assert FinishClock(bus=None).copies(driver) is None  # type: ignore[arg-type]
 
 
 def test_compare_live_cuts_are_against_the_best_baseline_of_each_column() -> None:

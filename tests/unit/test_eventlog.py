@@ -31,7 +31,7 @@ from eldr.replay.eventlog import (
 )
 from eldr.wire import (
     Decision,
-    DecodeProfile,
+    DecodeSummary,
     LoadReport,
     PartitionAnnouncement,
     PartitionBlob,
@@ -113,7 +113,7 @@ def sample_log(n: int = 5) -> EventLog:
         )
         events.append(
             Event.of(
-                DecodeProfile(
+                DecodeSummary(
                     request_id=f"r{i}", worker_id="a", ts_s=T0 + i + 3, tokens=5, counts=sig
                 ),
                 stream="PROFILES",

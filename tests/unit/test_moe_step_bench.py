@@ -23,7 +23,7 @@ from eldr.bench import moe_step_bench as msb
 from eldr.bench import routing_bench
 from eldr.bench.routing_bench import BenchConfig, run_bench
 from eldr.core.workload.synthetic import SyntheticSpec, generate
-from eldr.data.profiles import ProfileError, load_catalog
+from eldr.data.deployments import DeploymentError, load_catalog
 
 H200 = {
     "device_type": "cuda",
@@ -37,7 +37,7 @@ H200 = {
 }
 
 
-def test_shapes_match_the_cost_profiles() -> None:
+def test_shapes_match_the_deployments() -> None:
     catalog = load_catalog()
     assert {s.profile for s in msb.SHAPES} == {
         "qwen3-30b-a3b-h200",
@@ -59,12 +59,12 @@ def test_shapes_match_the_cost_profiles() -> None:
         assert shape.attention_params * shape.tp * m.num_layers < m.dense_params
 
 
-def test_qwen_attention_projections_are_the_profile_comment() -> None:
-    # cost_profiles.toml: attention 48 * (2048*4096*2 + 2048*512*2) = 905,969,664
+def test_qwen_attention_projections_are_the_deployment_comment() -> None:
+    # deployments.toml: attention 48 * (2048*4096*2 + 2048*512*2) = 905,969,664
     assert msb.shape_for("qwen3-30b-a3b-h200").attention_params * 48 == 905_969_664
 
 
-def test_unknown_profile_has_no_shape() -> None:
+def test_unknown_deployment_has_no_shape() -> None:
     with pytest.raises(ValueError, match="known"):
         msb.shape_for("qwen3-30b-a3b-mi300x")
 
@@ -140,9 +140,11 @@ def synthetic_table(
     }
 
 
-def dense_row(profile: str, part: str, kernel: str, batch: int, u: int, t: float) -> dict[str, Any]:
+def dense_row(
+    deployment: str, part: str, kernel: str, batch: int, u: int, t: float
+) -> dict[str, Any]:
     return {
-        "profile": profile,
+        "profile": deployment,
         "part": part,
         "kernel": kernel,
         "graph": True,
@@ -208,23 +210,23 @@ def test_table_round_trip_and_validation(tmp_path: Path) -> None:
 
 def write_profiles(tmp_path: Path, table: dict[str, Any]) -> Path:
     reports = msb.fit_table(table)
-    tables = msb.measured_profile_tables(
+    tables = msb.measured_deployment_tables(
         reports, table["provenance"], table_ref="docs/x.json", fit_command="eldr ... fit"
     )
     path = tmp_path / "measured.toml"
-    written = msb.write_measured_profiles(path, tables)
+    written = msb.write_measured_deployments(path, tables)
     assert written == sorted(tables)
     return path
 
 
-def test_measured_profiles_load_beside_the_unchanged_spec_profiles(tmp_path: Path) -> None:
+def test_measured_deployments_load_beside_the_unchanged_spec_deployments(tmp_path: Path) -> None:
     path = write_profiles(tmp_path, synthetic_table(30e-6, 4e-6, 0.5e-6, noise_s=0.05e-6))
     spec = load_catalog(measured_path=None)
     catalog = load_catalog(measured_path=path)
     base = catalog.get("qwen3-30b-a3b-h200")
     assert base == spec.get("qwen3-30b-a3b-h200")
     assert not base.measured
-    for name, p in spec.profiles.items():
+    for name, p in spec.deployments.items():
         assert catalog.get(name) == p
     m = catalog.get("qwen3-30b-a3b-h200-measured")
     k = catalog.get("qwen3-30b-a3b-h200-measured-kernels")
@@ -258,20 +260,20 @@ def test_measured_profiles_load_beside_the_unchanged_spec_profiles(tmp_path: Pat
     assert mav.overhead_s == catalog.get("llama4-maverick-fp8-8xh200").overhead_s
 
 
-def test_rewriting_replaces_only_the_profiles_it_fits(tmp_path: Path) -> None:
+def test_rewriting_replaces_only_the_deployments_it_fits(tmp_path: Path) -> None:
     path = write_profiles(tmp_path, synthetic_table(30e-6, 4e-6, 0.0))
-    first = tomllib.loads(path.read_text())["profile"]
+    first = tomllib.loads(path.read_text())["deployment"]
     table = synthetic_table(30e-6, 5e-6, 0.0)
     table["rows"] = [r for r in table["rows"] if r["profile"] == "qwen3-30b-a3b-h200"]
     write_profiles(tmp_path, table)
-    second = tomllib.loads(path.read_text())["profile"]
+    second = tomllib.loads(path.read_text())["deployment"]
     assert set(second) == set(first)
     assert second["qwen3-30b-a3b-h200-measured"]["expert_s"] == pytest.approx(5e-6, rel=0.01)
     mav = "llama4-maverick-fp8-8xh200-measured"
     assert second[mav] == first[mav]
 
 
-def test_no_profile_from_a_cpu_run_or_another_gpu(tmp_path: Path) -> None:
+def test_no_deployment_from_a_cpu_run_or_another_gpu(tmp_path: Path) -> None:
     cpu = synthetic_table(30e-6, 4e-6, 0.0, provenance={**H200, "device_type": "cpu"})
     with pytest.raises(ValueError, match="not measured on a GPU"):
         write_profiles(tmp_path, cpu)
@@ -281,22 +283,22 @@ def test_no_profile_from_a_cpu_run_or_another_gpu(tmp_path: Path) -> None:
     assert not (tmp_path / "measured.toml").exists()
 
 
-def test_a_measured_file_cannot_redefine_a_spec_profile(tmp_path: Path) -> None:
+def test_a_measured_file_cannot_redefine_a_spec_deployment(tmp_path: Path) -> None:
     path = tmp_path / "m.toml"
     path.write_text(
-        msb.render_profiles_toml(
+        msb.render_deployments_toml(
             {"qwen3-30b-a3b-h200": {"model": "qwen3-30b-a3b", "gpu": "h200",
                                     "gpus_per_worker": 1, "expert_s": 1e-6}}
         )
     )  # fmt: skip
-    with pytest.raises(ProfileError, match="already defined"):
+    with pytest.raises(DeploymentError, match="already defined"):
         load_catalog(measured_path=path)
     path.write_text('schema = 1\n[gpu.x]\nname = "x"\n')
-    with pytest.raises(ProfileError, match=r"only \[profile"):
+    with pytest.raises(DeploymentError, match=r"only \[deployment"):
         load_catalog(measured_path=path)
 
 
-def test_packaged_catalog_spec_profiles_are_not_measured() -> None:
+def test_packaged_catalog_spec_deployments_are_not_measured() -> None:
     catalog = load_catalog()
     for name in (
         "llama4-maverick-fp8-8xh200",
@@ -307,14 +309,14 @@ def test_packaged_catalog_spec_profiles_are_not_measured() -> None:
         "gemma-4-26b-a4b-h200",
     ):
         assert not catalog.get(name).measured
-    for name, p in catalog.profiles.items():  # whatever a GPU run added carries provenance
+    for name, p in catalog.deployments.items():  # whatever a GPU run added carries provenance
         if name.endswith((msb.MEASURED_SUFFIX, msb.KERNELS_SUFFIX)):
             prov = dict(p.provenance)
             assert p.measured
             assert {"gpu", "driver", "torch", "date", "command", "table"} <= set(prov)
 
 
-def test_bench_whatif_reports_a_measured_profile(tmp_path: Path, monkeypatch: Any) -> None:
+def test_bench_whatif_reports_a_measured_deployment(tmp_path: Path, monkeypatch: Any) -> None:
     path = write_profiles(tmp_path, synthetic_table(30e-6, 4e-6, 0.0))
     monkeypatch.setattr(routing_bench, "load_catalog", partial(load_catalog, measured_path=path))
     spec = SyntheticSpec(
@@ -329,7 +331,7 @@ def test_bench_whatif_reports_a_measured_profile(tmp_path: Path, monkeypatch: An
     config: dict[str, Any] = dict(decoders=4, arrivals_per_rate=200, batch_targets=(2.0,), seed=1)
     plain = run_bench(traces, BenchConfig(**config))
     measured = "llama4-maverick-fp8-8xh200-measured"
-    both = run_bench(traces, BenchConfig(**config, whatif_profiles=(measured,)))
+    both = run_bench(traces, BenchConfig(**config, whatif_deployments=(measured,)))
     primary = [r for r in both["results"] if r["profile"] == plain["input"]["cost_profile"]["name"]]
     assert primary == plain["results"]  # the spec profile's rows do not move
     assert plain["input"]["cost_profile"] == both["input"]["cost_profile"]
@@ -351,7 +353,15 @@ def test_cli_fit_prints_and_writes(tmp_path: Path, capsys: pytest.CaptureFixture
     msb.write_table(table, synthetic_table(30e-6, 4e-6, 0.0, noise_s=0.05e-6))
     out = tmp_path / "m.toml"
     fit = tmp_path / "fit.json"
-    args = ["bench-moe-step", "fit", str(table), "--json", str(fit), "--write-profiles", str(out)]
+    args = [
+        "bench-moe-step",
+        "fit",
+        str(table),
+        "--json",
+        str(fit),
+        "--write-deployments",
+        str(out),
+    ]
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "qwen3-30b-a3b-h200" in printed

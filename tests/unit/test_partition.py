@@ -202,7 +202,7 @@ def test_requests_with_a_zero_signature_are_ignored(data: Data) -> None:
     assert any("zero signature" in note for note in report.notes)
 
 
-def test_layer_mask_uses_only_requests_with_decode_profiles(data: Data) -> None:
+def test_layer_mask_uses_only_requests_with_decode_summaries(data: Data) -> None:
     decode = data.decode.copy()
     decode[::2] = 0  # half the requests have no profile
     partition, report = fit_partition(
@@ -215,7 +215,7 @@ def test_layer_mask_uses_only_requests_with_decode_profiles(data: Data) -> None:
         seed=3,
         min_profiled=10,
     )
-    assert any("decode profile" in note for note in report.notes)
+    assert any("decode summary" in note for note in report.notes)
     assert partition.calibration.idf is not None
     assert report.n_train == N_TRAIN
 

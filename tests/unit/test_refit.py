@@ -46,7 +46,7 @@ CONFIG = TrainerConfig(
 def fed(
     n: int, config: TrainerConfig = CONFIG, *, start: int = 0, ts_s: float = 0.0
 ) -> TrainerState:
-    """A state whose window holds n requests at ts_s, each with its decode profile."""
+    """A state whose window holds n requests at ts_s, each with its decode summary."""
     state = TrainerState(config, mono_s=0.0)
     feed(state, n, start=start, ts_s=ts_s)
     return state
@@ -59,7 +59,7 @@ def feed(state: TrainerState, n: int, *, start: int = 0, ts_s: float = 0.0) -> N
         prefill = expert_counts(trace.prefill, SPEC.num_experts).astype(np.float32)
         decode = expert_counts(trace.decode, SPEC.num_experts).astype(np.float32)
         state.add_decision(rid, "m", WORKERS[i % 3], SparseRow.from_dense(prefill), ts_s)
-        state.add_profile(rid, SparseRow.from_dense(decode), ts_s)
+        state.add_summary(rid, SparseRow.from_dense(decode), ts_s)
 
 
 def refit(state: TrainerState, trigger: str, *, now_s: float = 1.0) -> None:
@@ -239,7 +239,7 @@ def feed_topics(state: TrainerState, topics: list[int], n: int, start: int, ts_s
         state.add_decision(
             rid, "m", WORKERS[k % 3], SparseRow.from_dense(prefill.reshape(shape)), ts_s
         )
-        state.add_profile(rid, SparseRow.from_dense(decode.reshape(shape)), ts_s)
+        state.add_summary(rid, SparseRow.from_dense(decode.reshape(shape)), ts_s)
 
 
 def test_under_the_default_a_refit_after_the_traffic_shifts_is_promoted() -> None:

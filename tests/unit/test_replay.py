@@ -16,7 +16,7 @@ from eldr.core.routing.decide import DecisionRng, RouterCore, RouteRequest
 from eldr.core.routing.loadtable import LoadTable, Report
 from eldr.core.routing.profile import params_taken, profile_from_params
 from eldr.core.signature.signature import Calibration
-from eldr.data.profiles import load_catalog
+from eldr.data.deployments import load_catalog
 from eldr.partitions.codec import partition_to_blob
 from eldr.replay.effect import _batch_union as batch_union
 from eldr.replay.effect import model_decode_effect
@@ -28,7 +28,7 @@ from eldr.replay.reproduction import reproduce_decision
 from eldr.replay.whatif import ReplayConfig
 from eldr.wire import (
     Decision,
-    DecodeProfile,
+    DecodeSummary,
     PartitionAnnouncement,
     RequestFinished,
     SparseCounts,
@@ -109,7 +109,7 @@ def router(
 
 
 def log_of(
-    decisions: list[Decision], profiles: Sequence[DecodeProfile] = (), blobs: bool = True
+    decisions: list[Decision], profiles: Sequence[DecodeSummary] = (), blobs: bool = True
 ) -> EventLog:
     p = partition()
     events = [Event.of(d, stream="DECISIONS", seq=i + 1) for i, d in enumerate(decisions)]
@@ -401,10 +401,10 @@ def test_expected_union_is_one_minus_the_product_of_misses(probs) -> None:
     assert batch_union(np.arange(len(probs)), cells, logq, 3) == pytest.approx(expected)
 
 
-def profile_of(d: Decision, expert: int, end_s: float) -> DecodeProfile:
+def profile_of(d: Decision, expert: int, end_s: float) -> DecodeSummary:
     x = np.zeros((L, E), dtype=np.uint32)
     x[:, expert] = 20  # every token of the request uses this expert in each layer
-    return DecodeProfile(
+    return DecodeSummary(
         request_id=d.request_id,
         worker_id=d.worker_id,
         ts_s=end_s,

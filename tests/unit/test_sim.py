@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eldr.core.costmodel import CostProfile, GpuProfile, ModelProfile
+from eldr.core.costmodel import Deployment, GpuSpec, ModelSpec
 from eldr.core.routing.pipeline import make_policy
 from eldr.core.routing.profile import EldrProfile, JsqProfile, RoundRobinProfile
 from eldr.sim.cluster import SimConfig, SimRequest, flatten_decode_ids, simulate
@@ -14,9 +14,9 @@ E = 8
 L = 2
 
 
-def profile(overhead_s: float = 0.01) -> CostProfile:
-    gpu = GpuProfile("g", hbm_bytes_per_s=1e9, achievable_fraction=1.0)
-    model = ModelProfile(
+def deployment(overhead_s: float = 0.01) -> Deployment:
+    gpu = GpuSpec("g", hbm_bytes_per_s=1e9, achievable_fraction=1.0)
+    model = ModelSpec(
         "m",
         num_layers=L,
         num_moe_layers=L,
@@ -28,7 +28,7 @@ def profile(overhead_s: float = 0.01) -> CostProfile:
         dense_bits_per_param=16,
         kv_bytes_per_token=0,
     )
-    return CostProfile("p", model, gpu, gpus_per_worker=1, overhead_s=overhead_s)
+    return Deployment("p", model, gpu, gpus_per_worker=1, overhead_s=overhead_s)
 
 
 def request(rid: str, ids: list[list[int]], prompt: int = 4) -> SimRequest:
@@ -44,7 +44,7 @@ def run(reqs, arrivals, policy, n_workers=1, rate=1.0, max_batch=64, scores=None
         reqs,
         np.asarray(arrivals),
         policy,
-        profile(),
+        deployment(),
         cfg,
         num_moe_layers=L,
         union_slots=L * E,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eldr.core.costmodel import CostProfile, GpuProfile, ModelProfile
+from eldr.core.costmodel import Deployment, GpuSpec, ModelSpec
 from eldr.core.routing.activity import expert_demand
 from eldr.core.routing.pipeline import make_policy
 from eldr.core.routing.profile import EldrCostProfile, EldrProfile, JsqProfile, RoundRobinProfile
@@ -22,10 +22,10 @@ from eldr.sim.cluster import (
 E, L = 8, 2
 
 
-def profile() -> CostProfile:
-    gpu = GpuProfile("g", hbm_bytes_per_s=1e9, achievable_fraction=1.0)
-    model = ModelProfile("m", L, L, E, 1, 1e6, 8, 0, 16, 0)
-    return CostProfile("p", model, gpu, gpus_per_worker=1, overhead_s=0.01)
+def deployment() -> Deployment:
+    gpu = GpuSpec("g", hbm_bytes_per_s=1e9, achievable_fraction=1.0)
+    model = ModelSpec("m", L, L, E, 1, 1e6, 8, 0, 16, 0)
+    return Deployment("p", model, gpu, gpus_per_worker=1, overhead_s=0.01)
 
 
 def requests(n: int = 6, tokens: int = 20) -> list[SimRequest]:
@@ -42,7 +42,7 @@ def run(policy, n_arr=400, slots=4, rate=400.0, **kw):  # type: ignore[no-untype
     initial = kw.pop("initial", None)
     cfg = SimConfig(slots, rate, n_arr, warmup_fraction=0.0, seed=1, initial_workers=initial)
     return simulate(
-        reqs, arrivals, policy, profile(), cfg, num_moe_layers=L, union_slots=L * E, **kw
+        reqs, arrivals, policy, deployment(), cfg, num_moe_layers=L, union_slots=L * E, **kw
     )
 
 

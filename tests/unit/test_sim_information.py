@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from eldr.core.costmodel import CostProfile, GpuProfile, ModelProfile
+from eldr.core.costmodel import Deployment, GpuSpec, ModelSpec
 from eldr.core.routing.activity import expert_demand
 from eldr.core.routing.pipeline import Policy, make_policy
 from eldr.core.routing.profile import (
@@ -25,9 +25,9 @@ E = 8
 L = 2
 
 
-def profile() -> CostProfile:
-    gpu = GpuProfile("g", hbm_bytes_per_s=1e9, achievable_fraction=1.0)
-    model = ModelProfile(
+def deployment() -> Deployment:
+    gpu = GpuSpec("g", hbm_bytes_per_s=1e9, achievable_fraction=1.0)
+    model = ModelSpec(
         "m",
         num_layers=L,
         num_moe_layers=L,
@@ -39,7 +39,7 @@ def profile() -> CostProfile:
         dense_bits_per_param=16,
         kv_bytes_per_token=0,
     )
-    return CostProfile("p", model, gpu, gpus_per_worker=1, overhead_s=0.01)
+    return Deployment("p", model, gpu, gpus_per_worker=1, overhead_s=0.01)
 
 
 def workload(n: int = 12, seed: int = 0) -> tuple[list[SimRequest], np.ndarray, list]:
@@ -77,7 +77,7 @@ def run(
         reqs,
         arr,
         policy,
-        profile(),
+        deployment(),
         SimConfig(workers, rate, int(arr.size), max_batch=64, warmup_fraction=0.0, seed=seed),
         num_moe_layers=L,
         union_slots=L * E,

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eldr.core.costmodel import CostProfile, GpuProfile, ModelProfile
+from eldr.core.costmodel import Deployment, GpuSpec, ModelSpec
 from eldr.core.workload.trace import expert_counts
 from eldr.sim.worker import (
     BatchingWorker,
@@ -21,9 +21,9 @@ E = 8
 L = 2
 
 
-def profile(overhead_s: float = 0.01, kv_bytes_per_token: float = 0.0) -> CostProfile:
-    gpu = GpuProfile("g", hbm_bytes_per_s=1e9, achievable_fraction=1.0)
-    model = ModelProfile(
+def deployment(overhead_s: float = 0.01, kv_bytes_per_token: float = 0.0) -> Deployment:
+    gpu = GpuSpec("g", hbm_bytes_per_s=1e9, achievable_fraction=1.0)
+    model = ModelSpec(
         "m",
         num_layers=L,
         num_moe_layers=L,
@@ -35,7 +35,7 @@ def profile(overhead_s: float = 0.01, kv_bytes_per_token: float = 0.0) -> CostPr
         dense_bits_per_param=16,
         kv_bytes_per_token=kv_bytes_per_token,
     )
-    return CostProfile("p", model, gpu, gpus_per_worker=1, overhead_s=overhead_s)
+    return Deployment("p", model, gpu, gpus_per_worker=1, overhead_s=overhead_s)
 
 
 def ids(rows: list[list[int]]) -> np.ndarray:
@@ -44,7 +44,7 @@ def ids(rows: list[list[int]]) -> np.ndarray:
 
 
 def worker(**kwargs: int) -> BatchingWorker:
-    return BatchingWorker("w0", profile(), num_experts=E, **kwargs)
+    return BatchingWorker("w0", deployment(), num_experts=E, **kwargs)
 
 
 def run_step(w: BatchingWorker, now_s: float) -> tuple[StepPlan, float, list[str]]:
@@ -104,7 +104,7 @@ def test_same_expert_at_different_layers_counts_twice() -> None:
 
 
 def test_step_duration_is_the_cost_models_step_time() -> None:
-    cost = profile(kv_bytes_per_token=1000.0)
+    cost = deployment(kv_bytes_per_token=1000.0)
     w = BatchingWorker("w0", cost, num_experts=E)
     w.submit("a", ids([[0, 1], [2, 3]]), 0.0, prompt_tokens=5)
     plan = w.start_step(0.0)
@@ -273,7 +273,7 @@ def test_every_request_finishes_and_kv_returns_to_zero(
 
 
 def test_held_kv_charges_waiting_and_expected_prompts_to_the_step() -> None:
-    cost = profile(kv_bytes_per_token=1000.0)
+    cost = deployment(kv_bytes_per_token=1000.0)
     batch = BatchingWorker("w0", cost, num_experts=E, max_batch=1)
     held = BatchingWorker("w1", cost, num_experts=E, max_batch=1, step_kv="held")
     for w in (batch, held):
@@ -290,7 +290,7 @@ def test_held_kv_charges_waiting_and_expected_prompts_to_the_step() -> None:
 
 
 def test_an_expected_request_is_taken_over_when_its_task_arrives() -> None:
-    w = BatchingWorker("w0", profile(), num_experts=E, kv_capacity_tokens=None)
+    w = BatchingWorker("w0", deployment(), num_experts=E, kv_capacity_tokens=None)
     decode = ids([[0, 1], [2, 3]])
     w.expect(4)
     task = DecodeTask(

@@ -28,7 +28,7 @@ from eldr.training.trainer import (
 )
 from eldr.wire import (
     Decision,
-    DecodeProfile,
+    DecodeSummary,
     LoadReport,
     Message,
     PartitionAnnouncement,
@@ -126,10 +126,10 @@ class Recorder:
         self._record("took_input", kind, outcome)
 
     def window_changed(
-        self, with_profile: int, without_profile: int, finished_without_profile: int = 0
+        self, with_summary: int, without_summary: int, finished_without_summary: int = 0
     ) -> None:
-        self._record("window_changed", with_profile, without_profile)
-        self._record("finished_without_profile", finished_without_profile)
+        self._record("window_changed", with_summary, without_summary)
+        self._record("finished_without_summary", finished_without_summary)
 
     def saw_live_workers(self, count: int) -> None:
         self._record("saw_live_workers", count)
@@ -228,7 +228,7 @@ def load(worker: str, running: int = 0, waiting: int = 0) -> LoadReport:
 
 
 def feed(rig: Rig, n: int, *, start: int = 0, seed: int = 0) -> None:
-    """n requests with signatures (every other one with a decode profile), and live workers."""
+    """n requests with signatures (every other one with a decode summary), and live workers."""
     traces = generate(SPEC, n, np.random.default_rng(seed)).traces
     for i, trace in enumerate(traces):
         rid = f"req-{start + i}"
@@ -236,14 +236,14 @@ def feed(rig: Rig, n: int, *, start: int = 0, seed: int = 0) -> None:
         rig.trainer.add_decision(decision(rid, prefill, worker=WORKERS[i % 3]), rig.clock.now_s)
         if i % 2 == 0:
             decode = expert_counts(trace.decode, SPEC.num_experts).astype(np.uint32)
-            profile = DecodeProfile(
+            profile = DecodeSummary(
                 request_id=rid,
                 worker_id=WORKERS[i % 3],
                 ts_s=0.0,
                 tokens=trace.decode_tokens,
                 counts=SparseCounts.from_dense(decode),
             )
-            rig.trainer.add_profile(profile, rig.clock.now_s)
+            rig.trainer.add_summary(profile, rig.clock.now_s)
     for w in WORKERS:
         rig.trainer.add_load(load(w), rig.clock.now_s)
 

@@ -44,16 +44,16 @@ def test_sparse_row_rejects_an_index_outside_its_shape() -> None:
 def test_a_profile_joins_its_decision() -> None:
     w = TrainingWindow(max_samples=10, max_age_s=100)
     assert w.add_decision("r1", "m", "dw0", row((0, 1)), ts_s=1.0) == "added"
-    assert w.add_profile("r1", row((1, 2)), ts_s=2.0) == "joined"
-    assert (len(w), w.with_profile) == (1, 1)
+    assert w.add_summary("r1", row((1, 2)), ts_s=2.0) == "joined"
+    assert (len(w), w.with_summary) == (1, 1)
 
 
 def test_a_profile_before_its_decision_waits_and_joins() -> None:
     w = TrainingWindow(max_samples=10, max_age_s=100)
-    assert w.add_profile("r1", row((1, 2)), ts_s=1.0) == "waiting"
-    assert w.orphan_profiles == 1
+    assert w.add_summary("r1", row((1, 2)), ts_s=1.0) == "waiting"
+    assert w.orphan_summaries == 1
     w.add_decision("r1", "m", "dw0", row((0, 1)), ts_s=1.5)
-    assert (w.with_profile, w.orphan_profiles) == (1, 0)
+    assert (w.with_summary, w.orphan_summaries) == (1, 0)
 
 
 def test_the_first_decision_for_a_request_wins() -> None:
@@ -68,8 +68,8 @@ def test_the_first_decision_for_a_request_wins() -> None:
 def test_a_second_profile_is_a_duplicate() -> None:
     w = TrainingWindow(max_samples=10, max_age_s=100)
     w.add_decision("r1", "m", "dw0", row((0, 1)), ts_s=1.0)
-    w.add_profile("r1", row((1, 2)), ts_s=2.0)
-    assert w.add_profile("r1", row((1, 3)), ts_s=3.0) == "duplicate"
+    w.add_summary("r1", row((1, 2)), ts_s=2.0)
+    assert w.add_summary("r1", row((1, 3)), ts_s=3.0) == "duplicate"
 
 
 def test_an_empty_signature_is_not_a_sample() -> None:
@@ -81,8 +81,8 @@ def test_an_empty_signature_is_not_a_sample() -> None:
 def test_a_profile_of_another_geometry_is_refused() -> None:
     w = TrainingWindow(max_samples=10, max_age_s=100)
     w.add_decision("r1", "m", "dw0", row((0, 1)), ts_s=1.0)
-    assert w.add_profile("r1", row((0, 1), shape=(3, 4)), ts_s=2.0) == "shape_mismatch"
-    assert w.with_profile == 0
+    assert w.add_summary("r1", row((0, 1), shape=(3, 4)), ts_s=2.0) == "shape_mismatch"
+    assert w.with_summary == 0
 
 
 def test_the_oldest_samples_leave_when_the_window_is_full() -> None:
@@ -98,20 +98,20 @@ def test_the_oldest_samples_leave_when_the_window_is_full() -> None:
 def test_samples_and_waiting_profiles_age_out() -> None:
     w = TrainingWindow(max_samples=10, max_age_s=10)
     w.add_decision("old", "m", "dw0", row((0, 1)), ts_s=0.0)
-    w.add_profile("old", row((1, 1)), ts_s=1.0)
-    w.add_profile("orphan", row((1, 1)), ts_s=1.0)
+    w.add_summary("old", row((1, 1)), ts_s=1.0)
+    w.add_summary("orphan", row((1, 1)), ts_s=1.0)
     w.add_decision("new", "m", "dw0", row((0, 1)), ts_s=15.0)
     assert w.expire(now_s=20.0) == 1
     assert "old" not in w
     assert "new" in w
-    assert (w.with_profile, w.orphan_profiles) == (0, 0)
+    assert (w.with_summary, w.orphan_summaries) == (0, 0)
 
 
 def test_waiting_profiles_are_bounded() -> None:
     w = TrainingWindow(max_samples=10, max_age_s=100, max_orphans=2)
     for i in range(4):
-        w.add_profile(f"r{i}", row((0, 1)), ts_s=float(i))
-    assert w.orphan_profiles == 2
+        w.add_summary(f"r{i}", row((0, 1)), ts_s=float(i))
+    assert w.orphan_summaries == 2
     assert w.stats.orphans_dropped == 2
 
 
@@ -143,7 +143,7 @@ def test_training_set_is_dense_with_zero_rows_for_missing_profiles() -> None:
     w = TrainingWindow(max_samples=10, max_age_s=100)
     w.add_decision("r1", "m", "dw0", row((0, 1)), ts_s=1.0)
     w.add_decision("r2", "m", "dw0", row((1, 3)), ts_s=1.0)
-    w.add_profile("r2", row((1, 0)), ts_s=2.0)
+    w.add_summary("r2", row((1, 0)), ts_s=2.0)
     snap = w.snapshot()
     assert snap is not None
     ts = snap.training_set()
@@ -153,7 +153,7 @@ def test_training_set_is_dense_with_zero_rows_for_missing_profiles() -> None:
     assert ts.decode is not None
     np.testing.assert_array_equal(ts.decode[0], 0)
     assert ts.decode[1, 4] == 1
-    assert ts.has_profile.tolist() == [False, True]
+    assert ts.has_summary.tolist() == [False, True]
 
 
 def test_training_set_without_any_profile_has_no_decode_matrix() -> None:
@@ -168,7 +168,7 @@ def test_a_snapshot_does_not_change_when_the_window_does() -> None:
     w = TrainingWindow(max_samples=10, max_age_s=100)
     w.add_decision("r1", "m", "dw0", row((0, 1)), ts_s=1.0)
     snap = w.snapshot()
-    w.add_profile("r1", row((1, 1)), ts_s=2.0)
+    w.add_summary("r1", row((1, 1)), ts_s=2.0)
     w.add_decision("r2", "m", "dw0", row((0, 1)), ts_s=2.0)
     assert snap is not None
     assert len(snap) == 1
@@ -188,12 +188,12 @@ def test_window_counts_stay_consistent(events: list[tuple[str, int]], max_sample
         if kind == "decision":
             w.add_decision(f"r{rid}", "m", "dw0", row((0, 1)), ts_s=float(t))
         else:
-            w.add_profile(f"r{rid}", row((1, 1)), ts_s=float(t))
+            w.add_summary(f"r{rid}", row((1, 1)), ts_s=float(t))
         snap = w.snapshot()
         n = 0 if snap is None else len(snap)
         assert len(w) == n <= max_samples
         profiled = 0 if snap is None else sum(s.decode is not None for s in snap.samples)
-        assert w.with_profile == profiled
+        assert w.with_summary == profiled
 
 
 def test_live_workers_forget_silent_and_draining_workers() -> None:
@@ -231,24 +231,24 @@ def test_finished_requests_without_a_profile_are_counted_until_one_arrives() -> 
     w.add_decision("r2", "m", "dw0", row((0, 2)), ts_s=1.0)
     assert w.finish("r1", ts_s=2.0) == "finished"
     assert w.finish("r1", ts_s=2.1) == "duplicate"
-    assert w.finished_without_profile == 1
-    w.add_profile("r1", row((1, 2)), ts_s=2.2)  # a profile published after the finish
-    assert w.finished_without_profile == 0
-    w.add_profile("r2", row((1, 3)), ts_s=2.3)
+    assert w.finished_without_summary == 1
+    w.add_summary("r1", row((1, 2)), ts_s=2.2)  # a profile published after the finish
+    assert w.finished_without_summary == 0
+    w.add_summary("r2", row((1, 3)), ts_s=2.3)
     assert w.finish("r2", ts_s=2.4) == "finished"
-    assert w.finished_without_profile == 0
+    assert w.finished_without_summary == 0
 
 
 def test_a_finish_before_its_decision_waits_for_it_and_ages_out() -> None:
     w = TrainingWindow(max_samples=10, max_age_s=10)
     assert w.finish("r1", ts_s=1.0) == "waiting"
     w.add_decision("r1", "m", "dw0", row((0, 1)), ts_s=1.5)
-    assert w.finished_without_profile == 1
+    assert w.finished_without_summary == 1
     assert w.finish("late", ts_s=1.0) == "waiting"
     w.expire(now_s=20.0)
-    assert w.finished_without_profile == 0  # r1 aged out with its flag
+    assert w.finished_without_summary == 0  # r1 aged out with its flag
     w.add_decision("late", "m", "dw0", row((0, 1)), ts_s=20.0)
-    assert w.finished_without_profile == 0  # the early finish aged out too
+    assert w.finished_without_summary == 0  # the early finish aged out too
 
 
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5)), max_size=80))
@@ -262,12 +262,12 @@ def test_the_finished_without_profile_count_matches_the_samples(
         if kind == 0:
             w.add_decision(rid, "m", "dw0", row((0, 1)), ts_s=float(t))
         elif kind == 1:
-            w.add_profile(rid, row((1, 1)), ts_s=float(t))
+            w.add_summary(rid, row((1, 1)), ts_s=float(t))
         else:
             w.finish(rid, ts_s=float(t))
     samples = w.snapshot("m")
     held = samples.samples if samples is not None else ()
-    assert w.finished_without_profile == sum(s.finished and s.decode is None for s in held)
+    assert w.finished_without_summary == sum(s.finished and s.decode is None for s in held)
 
 
 def test_live_workers_hold_at_most_max_workers() -> None:

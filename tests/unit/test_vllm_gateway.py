@@ -9,7 +9,7 @@ import pytest
 
 from eldr.core.workload.trace import ModelGeometry
 from eldr.vllm.gateway import (
-    CaptureStates,
+    CaptureWatch,
     SseRelay,
     StreamTally,
     UpstreamHealth,
@@ -106,7 +106,7 @@ def status(worker: str = "p0", state: str = "ok", interval_s: float = 2.0) -> Ca
 
 
 def test_capture_states_wait_through_the_grace_period_then_name_the_problem() -> None:
-    states = CaptureStates(["p0", "p1"], started_s=100.0, grace_s=5.0)
+    states = CaptureWatch(["p0", "p1"], started_s=100.0, grace_s=5.0)
     assert states.problem("p0", 101.0) is None  # not heard yet, but a status is due
     assert states.problem("p0", 106.0) == "no_capture_status"
     assert states.update(status("p0"), 106.0)

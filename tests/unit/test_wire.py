@@ -48,7 +48,7 @@ from eldr.wire import (
     DecodeJob,
     DecodeJobAck,
     DecodeJobDone,
-    DecodeProfile,
+    DecodeSummary,
     LoadReport,
     Message,
     NdArray,
@@ -177,7 +177,7 @@ def canonical_messages() -> dict[type[Message], Message]:
             admitted=["req-1", "req-2"],
             draining=True,
         ),
-        DecodeProfile: DecodeProfile(
+        DecodeSummary: DecodeSummary(
             request_id="req-1",
             worker_id="decode-3",
             ts_s=1_700_000_009.0,
@@ -764,9 +764,9 @@ def partition_blobs(draw: st.DrawFn) -> PartitionBlob:
 
 
 @st.composite
-def decode_profiles(draw: st.DrawFn) -> DecodeProfile:
+def decode_summaries(draw: st.DrawFn) -> DecodeSummary:
     n_layers, n_experts = draw(geometry())
-    return DecodeProfile(
+    return DecodeSummary(
         request_id=draw(ident),
         worker_id=draw(token),
         ts_s=draw(ts),
@@ -782,7 +782,7 @@ messages = st.one_of(
     decisions(),
     assemble_replies(),
     partition_blobs(),
-    decode_profiles(),
+    decode_summaries(),
     st.builds(
         AssembleRequest,
         request_id=ident,

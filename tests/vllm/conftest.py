@@ -64,7 +64,7 @@ def engines(
 ) -> Iterator[Engines]:
     """A prefill and two decode vLLM servers, started together, stopped at the session's
     end. Every one runs the capture plugin: the prefill instance in the prefill role
-    (signatures), the decode instances in the decode role (decode profiles)."""
+    (signatures), the decode instances in the decode role (decode summaries)."""
     log_dir = tmp_path_factory.mktemp("vllm-logs")
     dump_dir = tmp_path_factory.mktemp("capture-dump")
     storage_dir = tmp_path_factory.mktemp("kv-storage")

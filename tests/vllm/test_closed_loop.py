@@ -3,7 +3,7 @@
 Everything the simulator gives for free comes here from a real producer: the decode
 instances' load from their decode adapters (vLLM's /metrics), each request's end from the
 gateway's `RequestFinished` (whatever the response did: finished, cut by the length limit,
-or broken off by the client), each request's decode profile from the capture plugin in the
+or broken off by the client), each request's decode summary from the capture plugin in the
 decode engine. A few hundred requests with varied output lengths, streamed or not, some
 aborted by the client mid-stream, go through the gateway; then:
 
@@ -11,13 +11,13 @@ aborted by the client mid-stream, go through the gateway; then:
   unless the whole stream had reached the gateway before it saw the hang-up);
 - the router's activity entries per worker never exceed the worker's in-flight requests
   plus the slack at any sampled moment, and drop to zero within a second of the end;
-- decode profiles equal a transformers reference of the same greedy decode: the same
+- decode summaries equal a transformers reference of the same greedy decode: the same
   tokens (transformers' argmax after each position is the next generated token) and, per
   MoE layer and expert, the same counts over the generated tokens fed back in;
 - the decode instance loaded the prompt's KV through the connector instead of computing
   it (vLLM's own cached-token count for a prompt it never saw);
 - decisions go to both decode workers and follow their load;
-- a refit from these decode profiles calibrates a layer mask and stores a partition
+- a refit from these decode summaries calibrates a layer mask and stores a partition
   version.
 """
 
@@ -55,7 +55,7 @@ from eldr.bus.topology import DECISIONS
 from eldr.core.routing.profile import DEFAULT_PROFILE
 from eldr.core.workload.trace import expert_counts
 from eldr.settings import BusSettings
-from eldr.wire import Decision, DecodeProfile, RefitReply, RefitRequest, RequestFinished
+from eldr.wire import Decision, DecodeSummary, RefitReply, RefitRequest, RequestFinished
 from eldr_services.decodeadapter.service import setup as adapter_setup
 from eldr_services.decodeadapter.settings import DecodeAdapterSettings
 from eldr_services.gateway.service import setup as gateway_setup
@@ -105,15 +105,15 @@ class Sent:
 @dataclass
 class Observed:
     finishes: dict[str, list[RequestFinished]] = field(default_factory=dict)
-    profiles: dict[str, DecodeProfile] = field(default_factory=dict)
+    summaries: dict[str, DecodeSummary] = field(default_factory=dict)
     samples: list[tuple[str, float, float]] = field(default_factory=list)
     """(worker, activity entries, in-flight requests) per scrape."""
 
     async def on_finished(self, msg: RequestFinished, _: Delivery) -> None:
         self.finishes.setdefault(msg.request_id, []).append(msg)
 
-    async def on_profile(self, msg: DecodeProfile, _: Delivery) -> None:
-        self.profiles[msg.request_id] = msg
+    async def on_summary(self, msg: DecodeSummary, _: Delivery) -> None:
+        self.summaries[msg.request_id] = msg
 
 
 def body_for(sent: Sent, run: str, n: int) -> dict[str, Any]:
@@ -276,7 +276,7 @@ async def test_the_loop_closes_on_real_decode_workers(engines: Engines, tmp_path
         BusSettings(nats_url=engines.nats_url, namespace=engines.namespace), "loop-check"
     )
     await bus.subscribe(bus.subjects.finished_all, RequestFinished, observed.on_finished)
-    await bus.subscribe(bus.subjects.profiles_all, DecodeProfile, observed.on_profile)
+    await bus.subscribe(bus.subjects.profiles_all, DecodeSummary, observed.on_summary)
     stop_sampling = asyncio.Event()
     await purge_prefill_events(engines)
     try:
@@ -324,7 +324,7 @@ async def test_the_loop_closes_on_real_decode_workers(engines: Engines, tmp_path
     print(
         f"\nclosed loop: {REQUESTS} requests in {wall_s:.1f} s, tables empty "
         f"{released_s * 1e3:.0f} ms after the last response, {len(observed.samples)} samples, "
-        f"{len(observed.profiles)} decode profiles; refit: {reply.status} {reply.message}"
+        f"{len(observed.summaries)} decode summaries; refit: {reply.status} {reply.message}"
     )
     print(_decision_waits(gateway_metrics))
     assert all(s.status == 200 for s in plan), Counter(s.status for s in plan)
@@ -374,7 +374,7 @@ async def test_the_loop_closes_on_real_decode_workers(engines: Engines, tmp_path
     if lopsided:
         assert len(to_lighter) >= 0.75 * len(lopsided)
 
-    # Decode profiles equal transformers' routing of the same greedy decode, token for
+    # Decode summaries equal transformers' routing of the same greedy decode, token for
     # token, and the KV of the prompt was loaded from the connector.
     from eldr.vllm.tinymodel import TransformersRouting
 
@@ -388,20 +388,20 @@ async def test_the_loop_closes_on_real_decode_workers(engines: Engines, tmp_path
         experts, greedy = reference.forward(prompt_ids + gen[:-1])
         n_prompt = len(prompt_ids)
         assert greedy[n_prompt - 1 :].tolist() == gen, sent.request_id
-        profile = observed.profiles[sent.request_id]
+        profile = observed.summaries[sent.request_id]
         assert profile.worker_id == sent.worker
         assert profile.tokens == len(gen) - 1
         want = expert_counts(experts[n_prompt:], profile.counts.shape[1])
         np.testing.assert_array_equal(profile.counts.to_dense(np.int64), want)
         cached = sent.answer["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert cached == ((n_prompt - 1) // BLOCK_SIZE) * BLOCK_SIZE > 0, (cached, n_prompt)
-    profiled = sum(1 for s in plan if s.request_id in observed.profiles)
+    profiled = sum(1 for s in plan if s.request_id in observed.summaries)
     assert profiled >= REQUESTS - REQUESTS // ABORT_EVERY - 5
 
-    # The trainer refit from these decode profiles: a version with a calibrated layer mask.
+    # The trainer refit from these decode summaries: a version with a calibrated layer mask.
     assert reply.status == "ok", reply.message
     assert reply.version is not None
-    m = re.search(r"\((\d+) with decode profiles", reply.message)
+    m = re.search(r"\((\d+) with decode summaries", reply.message)
     assert m is not None, reply.message
     assert int(m.group(1)) >= 32
 

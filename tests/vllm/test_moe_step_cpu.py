@@ -144,7 +144,7 @@ PROFILES = ["qwen3-30b-a3b-h200", "llama4-maverick-fp8-8xh200"]
 
 def run_measure(tmp_path: Path, kernels: str) -> dict[str, Any]:
     out = tmp_path / "moe_step.json"
-    args = ["measure", "--tiny", "--profiles", ",".join(PROFILES), "--kernels", kernels]
+    args = ["measure", "--tiny", "--deployments", ",".join(PROFILES), "--kernels", kernels]
     args += ["--batches", "1,2,4", "--points", "3", "--reps", "3", "--warmup", "1"]
     assert bench_cli.main(["bench-moe-step", *args, "--out", str(out)]) == 0
     table = moe_step_bench.read_table(out)
@@ -188,9 +188,11 @@ def test_measure_writes_a_complete_table_that_fit_reads(
     assert "NOT A GPU MEASUREMENT" in printed
     fits = json.loads(report.read_text())["fits"]
     assert [(f["profile"], f["kernel"]) for f in fits] == [(p, "loop") for p in sorted(PROFILES)]
-    # A CPU table never becomes a cost profile.
+    # A CPU table never becomes a deployment.
     with pytest.raises(ValueError, match="not measured on a GPU"):
-        bench_cli.main(["bench-moe-step", "fit", out, "--write-profiles", str(tmp_path / "m.toml")])
+        bench_cli.main(
+            ["bench-moe-step", "fit", out, "--write-deployments", str(tmp_path / "m.toml")]
+        )
     assert not (tmp_path / "m.toml").exists()
 
 

@@ -66,7 +66,7 @@ def _register_bench(subparsers: Any) -> None:
     from eldr.bench import routing_bench
     from eldr.bench.routing_bench import DECODE_SIGNATURE, DEFAULT_POLICY, PAPER_POLICY
     from eldr.core.routing.profile import LOAD_MEASURES, PAPER_PROFILE
-    from eldr.data.profiles import DEFAULT_PROFILE_FOR_TRACES
+    from eldr.data.deployments import DEFAULT_DEPLOYMENT_FOR_TRACES
     from eldr.sim.information import LIVE_DEFAULTS
 
     p = subparsers.add_parser(
@@ -128,11 +128,11 @@ def _register_bench(subparsers: Any) -> None:
         "in-flight requests)",
     )
     p.add_argument(
-        "--profile",
-        default=DEFAULT_PROFILE_FOR_TRACES,
-        help="cost profile (see cost_profiles.toml)",
+        "--deployment",
+        default=DEFAULT_DEPLOYMENT_FOR_TRACES,
+        help="deployment (see deployments.toml)",
     )
-    p.add_argument("--whatif", default="", help="comma-separated extra cost profiles to report")
+    p.add_argument("--whatif", default="", help="comma-separated extra deployments to report")
     p.add_argument(
         "--rates", type=_floats, default=None, help="comma-separated arrival rates (req/s)"
     )
@@ -226,8 +226,8 @@ def _run_bench(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         batch_targets=tuple(targets),
         rates=args.rates,
-        profile=args.profile,
-        whatif_profiles=tuple(x for x in args.whatif.split(",") if x),
+        deployment=args.deployment,
+        whatif_deployments=tuple(x for x in args.whatif.split(",") if x),
         seed=args.seed,
         policies=(
             tuple(x.strip() for x in args.policies.split(",") if x.strip())
@@ -311,7 +311,7 @@ def _run_online(args: argparse.Namespace) -> int:
         arrivals=args.arrivals or 6000,
         max_batch=args.max_batch,
         calibration_fraction=args.calibration_fraction,
-        profile=args.profile,
+        deployment=args.deployment,
         seed=args.seed,
         batch_target=(args.batch_targets[-1] if args.batch_targets else 32.0),
     )
@@ -567,12 +567,12 @@ def _add_moe_step_arguments(parser: argparse.ArgumentParser) -> None:
     m = sub.add_parser(
         "measure",
         help="time MoE layer decode steps with torch (GPU; --tiny for a CPU smoke run)",
-        description="Time one MoE layer forward per (profile, batch, distinct experts).",
+        description="Time one MoE layer forward per (deployment, batch, distinct experts).",
     )
     m.add_argument(
-        "--profiles",
+        "--deployments",
         default=",".join(s.profile for s in moe_step_bench.SHAPES),
-        help="comma-separated profiles to measure (default: all with a MoE shape)",
+        help="comma-separated deployments to measure (default: all with a MoE shape)",
     )
     m.add_argument(
         "--batches",
@@ -613,30 +613,30 @@ def _add_moe_step_arguments(parser: argparse.ArgumentParser) -> None:
 
     f = sub.add_parser(
         "fit",
-        help="fit a + b x distinct experts (+ c x tokens); optionally write measured profiles",
+        help="fit a + b x distinct experts (+ c x tokens); optionally write measured deployments",
         description="Fit a measured table and compare with the bandwidth model.",
     )
     f.add_argument("table", help="a table written by `measure`")
     f.add_argument("--kernel", default="", help="kernel rows to fit (default triton if present)")
     f.add_argument("--json", metavar="FILE", default=None, help="write the fit report as JSON")
     f.add_argument(
-        "--write-profiles",
+        "--write-deployments",
         nargs="?",
         const="",
         default=None,
         metavar="FILE",
-        help="write <profile>-measured and <profile>-measured-kernels profiles "
-        "(default file: the packaged measured_profiles.toml)",
+        help="write <deployment>-measured and <deployment>-measured-kernels deployments "
+        "(default file: the packaged measured_deployments.toml)",
     )
     f.add_argument(
         "--table-ref",
         default="",
-        help="path of the table recorded in the profiles' provenance (default: TABLE as given)",
+        help="path of the table recorded in the deployments' provenance (default: TABLE as given)",
     )
     f.add_argument(
         "--allow-gpu-mismatch",
         action="store_true",
-        help="write profiles even if the device is not the profile's GPU (tests only)",
+        help="write deployments even if the device is not the deployment's GPU (tests only)",
     )
     f.set_defaults(func=_run_moe_fit)
 
@@ -653,7 +653,7 @@ def _run_moe_measure(args: argparse.Namespace) -> int:
         return 2
     from eldr.bench import moe_step_torch
 
-    names = [x for x in args.profiles.split(",") if x]
+    names = [x for x in args.deployments.split(",") if x]
     shapes = [moe_step_bench.shape_for(n) for n in names]
     batches: tuple[int, ...] = tuple(args.batches)
     if args.tiny:
@@ -704,20 +704,20 @@ def _run_moe_fit(args: argparse.Namespace) -> int:
             + "\n",
             encoding="utf-8",
         )
-    if args.write_profiles is not None:
+    if args.write_deployments is not None:
         path = (
-            Path(args.write_profiles)
-            if args.write_profiles
+            Path(args.write_deployments)
+            if args.write_deployments
             else moe_step_bench.packaged_measured_path()
         )
-        profiles = moe_step_bench.measured_profile_tables(
+        deployments = moe_step_bench.measured_deployment_tables(
             reports,
             table["provenance"],
             table_ref=args.table_ref or args.table,
             fit_command=invocation(),
             allow_gpu_mismatch=args.allow_gpu_mismatch,
         )
-        written = moe_step_bench.write_measured_profiles(path, profiles)
+        written = moe_step_bench.write_measured_deployments(path, deployments)
         print(f"wrote {', '.join(written)} -> {path}")
     return 0
 

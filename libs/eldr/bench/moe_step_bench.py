@@ -5,7 +5,7 @@ bytes over HBM bandwidth (docs/COST_MODEL.md). This benchmark measures what an a
 expert really costs in a grouped-GEMM MoE kernel, the way serving engines run decode:
 
 `measure` (needs torch; Triton for the default kernel; runs on the GPU machine, no vLLM)
-    for the MoE layer shapes of the profiles in cost_profiles.toml (Qwen3-30B-A3B BF16,
+    for the MoE layer shapes of the profiles in deployments.toml (Qwen3-30B-A3B BF16,
     GPT-OSS-120B MXFP4, Gemma-4-26B-A4B BF16, Llama-4-Maverick FP8 experts as one
     tensor-parallel eighth), batches of 1-64 tokens and a controlled number of distinct
     experts per layer (top-k up to batch x top-k), times one MoE layer forward (router
@@ -18,9 +18,9 @@ expert really costs in a grouped-GEMM MoE kernel, the way serving engines run de
     per profile, least squares of step time = a + b x distinct experts, and
     a + b x distinct experts + c x tokens (kept when the data says so: |t| >= 3 and 10%
     less residual), with the residuals; compares b with bytes per expert / bandwidth from
-    the datasheet; optionally writes measured cost profiles (`<profile>-measured`,
-    `<profile>-measured-kernels`) with their provenance into `measured_profiles.toml`,
-    which `eldr bench --whatif` reads beside the spec-derived profiles.
+    the datasheet; optionally writes measured deployments (`<profile>-measured`,
+    `<profile>-measured-kernels`) with their provenance into `measured_deployments.toml`,
+    which `eldr bench --whatif` reads beside the spec-derived deployments.
 
 This module is the pure part (shapes, sweep, routing construction, table I/O, fit, profile
 emission) and imports only the standard library at import time, so that `python -m
@@ -49,11 +49,11 @@ __all__ = [
     "controlled_routing",
     "distinct_expert_counts",
     "fit_table",
-    "measured_profile_tables",
+    "measured_deployment_tables",
     "read_table",
-    "render_profiles_toml",
+    "render_deployments_toml",
     "summarize_samples",
-    "write_measured_profiles",
+    "write_measured_deployments",
     "write_table",
 ]
 
@@ -135,7 +135,7 @@ class MoeShape:
         )
 
 
-# The MoE layers of the deployment profiles in cost_profiles.toml (docs/COST_MODEL.md,
+# The MoE layers of the deployments in deployments.toml (docs/COST_MODEL.md,
 # "Model profiles"; tests/unit/test_moe_step_bench.py checks them against the catalog).
 # fmt: off
 SHAPES: tuple[MoeShape, ...] = (
@@ -162,12 +162,12 @@ SHAPES: tuple[MoeShape, ...] = (
 # fmt: on
 
 
-def shape_for(profile: str) -> MoeShape:
+def shape_for(deployment: str) -> MoeShape:
     for shape in SHAPES:
-        if shape.profile == profile:
+        if shape.profile == deployment:
             return shape
     known = ", ".join(s.profile for s in SHAPES)
-    raise ValueError(f"no MoE shape for profile {profile!r} (known: {known})")
+    raise ValueError(f"no MoE shape for deployment {deployment!r} (known: {known})")
 
 
 def distinct_expert_counts(batch: int, top_k: int, num_experts: int, points: int = 6) -> list[int]:
@@ -386,7 +386,7 @@ class FitReport:
 
 def fit_profile(
     rows: Sequence[dict[str, Any]],
-    profile: str,
+    deployment: str,
     kernel: str,
     *,
     expert_bytes: float,
@@ -395,14 +395,14 @@ def fit_profile(
     achievable_bytes_per_s: float,
 ) -> FitReport:
     """Fit one profile's `moe` rows of one kernel (medians), with and without tokens."""
-    mine = [r for r in rows if r["profile"] == profile]
+    mine = [r for r in rows if r["profile"] == deployment]
     moe = sorted(
         (int(r["batch_tokens"]), int(r["distinct_experts"]), float(r["median_s"]))
         for r in mine
         if r["part"] == "moe" and r["kernel"] == kernel
     )
     if len(moe) < 3:
-        raise ValueError(f"{profile}/{kernel}: {len(moe)} moe rows, need at least 3 to fit")
+        raise ValueError(f"{deployment}/{kernel}: {len(moe)} moe rows, need at least 3 to fit")
     y = [t for _, _, t in moe]
     experts = [float(u) for _, u, _ in moe]
     tokens = [float(b) for b, _, _ in moe]
@@ -419,7 +419,7 @@ def fit_profile(
             and both.rms_residual_s <= (1.0 - TOKEN_TERM_MIN_RMS_CUT) * only.rms_residual_s
         )
     return FitReport(
-        profile=profile,
+        profile=deployment,
         kernel=kernel,
         points=moe,
         experts_only=only,
@@ -450,7 +450,7 @@ def fit_table(
     table: dict[str, Any], kernel: str | None = None, catalog: Any = None
 ) -> list[FitReport]:
     """Fit every profile of a table against the catalog's datasheet bandwidths."""
-    from eldr.data.profiles import load_catalog
+    from eldr.data.deployments import load_catalog
 
     catalog = catalog if catalog is not None else load_catalog()
     kernel = kernel or default_kernel(table)
@@ -499,7 +499,7 @@ def format_fits(reports: Sequence[FitReport], provenance: dict[str, Any]) -> str
     return "\n".join(lines)
 
 
-# --- measured profiles ----------------------------------------------------------------------
+# --- measured deployments -------------------------------------------------------------------
 
 
 def _gpu_key(catalog: Any, gpu: Any) -> str:
@@ -509,7 +509,7 @@ def _gpu_key(catalog: Any, gpu: Any) -> str:
     raise ValueError(f"gpu {gpu.name!r} not in the catalog")
 
 
-def measured_profile_tables(
+def measured_deployment_tables(
     reports: Sequence[FitReport],
     provenance: dict[str, Any],
     *,
@@ -518,7 +518,7 @@ def measured_profile_tables(
     catalog: Any = None,
     allow_gpu_mismatch: bool = False,
 ) -> dict[str, dict[str, Any]]:
-    """The `[profile.*]` tables of the measured profiles, two per fitted profile.
+    """The `[deployment.*]` tables of the measured deployments, two per fitted profile.
 
     `<profile>-measured`: the base profile with the expert term measured (expert_s = b;
     token_s = c x MoE layers when the token term was kept) and the base's overhead, which
@@ -528,7 +528,7 @@ def measured_profile_tables(
     cost of the MoE kernels alone (a x MoE layers): what a step costs if nothing but the
     kernels measured here took time beyond the streamed bytes of the other parts.
     """
-    from eldr.data.profiles import load_catalog
+    from eldr.data.deployments import load_catalog
 
     catalog = catalog if catalog is not None else load_catalog()
     device = str(provenance.get("gpu", ""))
@@ -605,9 +605,9 @@ def measured_profile_tables(
 
 
 _HEADER = """\
-# Measured decode cost profiles, written by `eldr bench-moe-step fit --write-profiles` from
+# Measured decode deployments, written by `eldr bench-moe-step fit --write-deployments` from
 # the GPU microbenchmark `eldr bench-moe-step measure` (docs/COST_MODEL.md, "Measuring an MoE
-# decode step"). Each [profile.*] table names a model and GPU of cost_profiles.toml, sets a
+# decode step"). Each [deployment.*] table names a model and GPU of deployments.toml, sets a
 # measured `expert_s` (seconds per distinct (MoE layer, expert) pair of a step) and carries
 # its provenance. Generated: re-run the fit instead of editing by hand.
 """
@@ -627,50 +627,50 @@ def _toml_value(value: Any) -> str:
     raise TypeError(f"cannot write {type(value).__name__} to TOML")
 
 
-def render_profiles_toml(profiles: dict[str, dict[str, Any]]) -> str:
-    """A measured-profiles file holding `profiles` (name -> table; one nested table each)."""
+def render_deployments_toml(profiles: dict[str, dict[str, Any]]) -> str:
+    """A measured-deployments file holding `profiles` (name -> table; one nested table each)."""
     lines = [_HEADER.rstrip("\n")]
     if not profiles:
         lines.append("#\n# No measurement yet.")
     lines += ["", "schema = 1"]
     for name in sorted(profiles):
         table = profiles[name]
-        lines += ["", f"[profile.{name}]"]
+        lines += ["", f"[deployment.{name}]"]
         nested = {k: v for k, v in table.items() if isinstance(v, dict)}
         for key, value in table.items():
             if key not in nested:
                 lines.append(f"{key} = {_toml_value(value)}")
         for key, sub in nested.items():
-            lines.append(f"[profile.{name}.{key}]")
+            lines.append(f"[deployment.{name}.{key}]")
             lines += [f"{k} = {_toml_value(v)}" for k, v in sub.items()]
     return "\n".join(lines) + "\n"
 
 
 def packaged_measured_path() -> Path:
     import eldr.data
-    from eldr.data.profiles import MEASURED_PROFILES_FILE
+    from eldr.data.deployments import MEASURED_DEPLOYMENTS_FILE
 
-    return Path(eldr.data.__file__).parent / MEASURED_PROFILES_FILE
+    return Path(eldr.data.__file__).parent / MEASURED_DEPLOYMENTS_FILE
 
 
-def write_measured_profiles(path: Path, profiles: dict[str, dict[str, Any]]) -> list[str]:
-    """Add (or replace) `profiles` in the measured-profiles file at `path`; keep the others.
+def write_measured_deployments(path: Path, profiles: dict[str, dict[str, Any]]) -> list[str]:
+    """Add (or replace) `profiles` in the measured-deployments file at `path`; keep the others.
 
     Returns the names written. The result is checked by loading it with the spec catalog.
     """
     import tomllib
 
-    from eldr.data.profiles import load_catalog
+    from eldr.data.deployments import load_catalog
 
     existing: dict[str, dict[str, Any]] = {}
     if path.exists():
-        existing = dict(tomllib.loads(path.read_text("utf-8")).get("profile", {}))
+        existing = dict(tomllib.loads(path.read_text("utf-8")).get("deployment", {}))
     existing.update(profiles)
-    text = render_profiles_toml(existing)
+    text = render_deployments_toml(existing)
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(text, encoding="utf-8")
     try:
-        load_catalog(measured_path=tmp)  # refuses clashes with the spec-derived profiles
+        load_catalog(measured_path=tmp)  # refuses clashes with the spec-derived deployments
         tmp.replace(path)
     finally:
         tmp.unlink(missing_ok=True)

@@ -6,7 +6,7 @@ the trainer's state and refit plan (`eldr.core.training.refit`: window, triggers
 cut, hold-out, fit, shadow gate, verdict) under the shipped trainer's configuration
 (`TrainerConfig`) with this scenario's knobs. Each routed request is a decision into its
 window (a request id per arrival, as routers give every request its own), each finished
-one its decode profile; the live workers are the simulator's; a promoted version reaches
+one its decode summary; the live workers are the simulator's; a promoted version reaches
 the simulated routers `fit_delay_s` later. It holds no refit logic of its own.
 
 - **drift**: the workload mix changes mid-run: the first half of the arrivals are one
@@ -41,7 +41,7 @@ from eldr.bench.routing_bench import (
     Prepared,
     prepare,
 )
-from eldr.core.costmodel import CostProfile
+from eldr.core.costmodel import Deployment
 from eldr.core.partition.partition import Partition, fit_partition
 from eldr.core.routing.pipeline import make_policy
 from eldr.core.routing.profile import (
@@ -56,7 +56,7 @@ from eldr.core.training.online import DriftThresholds, partition_scores
 from eldr.core.training.refit import RefitSkipped, TrainerState, plan_refit
 from eldr.core.workload.sizing import rates_for_batch_targets
 from eldr.core.workload.trace import TraceSet, counts_matrix
-from eldr.data.profiles import DEFAULT_PROFILE_FOR_TRACES, load_catalog
+from eldr.data.deployments import DEFAULT_DEPLOYMENT_FOR_TRACES, load_catalog
 from eldr.sim.cluster import (
     FleetEvent,
     ScoreUpdate,
@@ -93,7 +93,7 @@ class OnlineConfig:
     arrivals: int = 6000
     max_batch: int = 256
     calibration_fraction: float = 0.4
-    profile: str = DEFAULT_PROFILE_FOR_TRACES
+    deployment: str = DEFAULT_DEPLOYMENT_FOR_TRACES
     seed: int = 0
     refit_interval_s: float = 2.0
     """Scheduled refit period, simulated seconds."""
@@ -111,7 +111,7 @@ class OnlineConfig:
     """Share of the window's requests held out of a gated fit (by a hash of the request
     id): the shadow gate and the drift baseline are measured on them."""
     min_holdout: int = 32
-    """Held-out requests the shadow gate needs (with decode profiles, else with prefill
+    """Held-out requests the shadow gate needs (with decode summaries, else with prefill
     counts as a proxy); with fewer the candidate is rejected."""
     churn_settle_s: float = 0.25
     drift_min_gap_s: float = 1.0
@@ -203,7 +203,7 @@ class OnlineRefitter:
         for arrival, req, t, slot in obs.arrivals:
             state.add_decision(f"a{arrival}", MODEL, worker_name(slot), self.prefill_rows[req], t)
         for arrival, req, t, _ in obs.finished:
-            state.add_profile(f"a{arrival}", self.decode_rows[req], t)
+            state.add_summary(f"a{arrival}", self.decode_rows[req], t)
         live = tuple(sorted(worker_name(i) for i in obs.live))
         due = state.due(now_s=obs.now_s, mono_s=obs.now_s, live=live, drift=state.drift_status())
         if due is None:
@@ -245,7 +245,7 @@ class OnlineRefitter:
 class _Setup:
     traces: TraceSet
     prepared: Prepared
-    cost: CostProfile
+    cost: Deployment
     rate: float
     prefill: np.ndarray
     decode: np.ndarray
@@ -260,7 +260,7 @@ def _setup(traces: TraceSet, config: OnlineConfig) -> _Setup:
         seed=config.seed,
     )
     prepared = prepare(traces, bench)
-    cost = load_catalog().get(config.profile)
+    cost = load_catalog().get(config.deployment)
     rate = rates_for_batch_targets(cost, traces, config.decoders, (config.batch_target,))[0]
     assert prepared.prefill_counts is not None
     decode = counts_matrix(traces.traces, traces.geometry, "decode")

@@ -11,7 +11,7 @@ workers (routing is what is measured); the workers only report load. The router'
 share (`Decision.decide_s`: PrefillDone taken -> decision built, signature fetch included)
 is reported beside it.
 
-Everything shares this machine's cores: the numbers include the replayer's own CPU use.
+Everything shares this machine's cores: the numbers include the driver's own CPU use.
 
 Besides latency, each rate reports what the record of truth says (the DECISIONS stream:
 decisions and distinct request ids among this run's requests, so lost = sent - distinct and
@@ -65,7 +65,7 @@ from eldr.partitions.announce import announce_version
 from eldr.partitions.writer import blob_for_version
 from eldr.progress import NO_PROGRESS, Progress
 from eldr.runtime import run_async
-from eldr.sim.traffic import ReplayConfig, TraceReplayer
+from eldr.sim.traffic import TrafficConfig, TrafficDriver
 from eldr.wire import Decision, RouterControl, RouterControlReply
 
 log = logging.getLogger(__name__)
@@ -102,10 +102,10 @@ class PipelineConfig:
     """Pause between two runs: the routers forget the previous run's requests (their
     pending loads and activity expire after 2 s here)."""
     local_signatures: bool = True
-    """The replayer's prefill worker sends the whole signature for prefix hits on blocks
-    it holds (`ReplayConfig.local_signatures`); False: the service supplies every hit."""
+    """The driver's prefill worker sends the whole signature for prefix hits on blocks
+    it holds (`TrafficConfig.local_signatures`); False: the service supplies every hit."""
     local_summary_blocks: int | None = None
-    """Bound of that local store, in blocks (`ReplayConfig.local_summary_blocks`)."""
+    """Bound of that local store, in blocks (`TrafficConfig.local_summary_blocks`)."""
 
 
 SPEC = SyntheticSpec(num_topics=8, num_moe_layers=24, num_experts=128, top_k=1)
@@ -351,10 +351,10 @@ async def measure_rate(
     if sampler is not None:
         sampler.window()  # start this rate's window
     since_s = time.time() - 1.0
-    replay = TraceReplayer(
+    driver = TrafficDriver(
         bus,
         traffic,
-        ReplayConfig(
+        TrafficConfig(
             model=MODEL,
             rate_per_s=rate,
             seed=config.seed,
@@ -369,24 +369,24 @@ async def measure_rate(
     if cpu is not None:
         cpu.start()
     try:
-        async with replay:
-            summary = await replay.run(n)
+        async with driver:
+            summary = await driver.run(n)
     finally:
         ticking.cancel()
     used = cpu.stop() if cpu is not None else {"wall_s": None, "cpu_s": {}}
     ticker.finish()
     rss = sampler.window() if sampler is not None else {}
     latencies = np.array(
-        [r.decision_latency_s for r in replay.records if r.decision_latency_s is not None]
+        [r.decision_latency_s for r in driver.records if r.decision_latency_s is not None]
     )
     in_router = np.array(
         [
             r.router_decide_s
-            for r in replay.records
+            for r in driver.records
             if r.decision_latency_s is not None and r.router_decide_s is not None
         ]
     )
-    sent_ids = {r.request_id for r in replay.records if r.sent}
+    sent_ids = {r.request_id for r in driver.records if r.sent}
     decisions, distinct = await count_decisions(bus, since_s, sent_ids)
 
     def ms(values: np.ndarray, q: float) -> float | None:
@@ -429,7 +429,7 @@ async def measure_rate(
 def signature_shares(sources: Mapping[str, int]) -> dict[str, float | None]:
     """The share of the events sent whose signature needed the signature service
     (`service_share`) and of those that carried it whole (`event_share`), from what the
-    replayer sent (`ReplaySummary.signature_sources`); None with nothing sent."""
+    driver sent (`TrafficSummary.signature_sources`); None with nothing sent."""
     sent = sum(sources.values())
     if not sent:
         return {"event_share": None, "service_share": None}
@@ -473,7 +473,7 @@ async def drive(
         workers = [f"decode-{i}" for i in range(config.decoders)]
         await install_partition(bus, calibration, workers, config.seed)
         await wait_routers_ready(bus, config.routers, config.decoders)
-        # The replayer is a Python process too: keep full collections of its start-up
+        # The driver is a Python process too: keep full collections of its start-up
         # heap from pausing it mid-measurement (see eldr.runtime).
         gc.collect()
         gc.freeze()
@@ -506,7 +506,7 @@ async def drive(
                 progress.describe(f"saturation {rate:g}/s")
                 try:
                     row = await measure_rate(config, bus, traffic, rate, cpu=cpu, progress=progress)
-                except (BusError, RuntimeError) as exc:  # the replayer itself overloaded
+                except (BusError, RuntimeError) as exc:  # the driver itself overloaded
                     log.warning("saturation step %g/s failed: %s", rate, exc)
                     failed = f"{type(exc).__name__}: {exc}"
                     break
@@ -606,7 +606,7 @@ def _stack_config(config: PipelineConfig, routers: int) -> StackConfig:
             "ELDR_POLICY": config.policy,
             "OPENBLAS_NUM_THREADS": "1",
             "ELDR_PENDING_TTL_S": "2",
-            # Requests are not sent on, so no decode profile ends them: the routers forget
+            # Requests are not sent on, so no decode summary ends them: the routers forget
             # them after 2 s (pending load; cost-aware routing's per-worker activity).
             "ELDR_ACTIVITY_TTL_S": "2",
         },
@@ -621,7 +621,7 @@ def _pids(stack: Stack) -> Callable[[], dict[str, int]]:
         found = {p.instance_id: p.pid for p in stack.processes if p.returncode is None}
         if stack.nats is not None and stack.nats.pid is not None:
             found["nats-server"] = stack.nats.pid
-        found["bench (replayer)"] = os.getpid()
+        found["bench (driver)"] = os.getpid()
         return found
 
     return pids
@@ -699,12 +699,12 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(f"policy {policy}:")
         lines.extend(_rows_table(rows))
     lines.append(
-        "P50/P99/max: PrefillDone publish -> decision received, in the replayer; router P50/P99: "
+        "P50/P99/max: PrefillDone publish -> decision received, in the driver; router P50/P99: "
         "the router's own part (PrefillDone taken -> decision built, signature fetch "
         "included; Decision.decide_s); router CPU: the router processes' CPU time over the "
         "run / decisions; sig event / sig service: the share of PrefillDone events sent that "
         "carried the whole signature / left cached blocks to the signature service (the rest "
-        "had no prefix hit), as the replayer sent them"
+        "had no prefix hit), as the driver sent them"
     )
     for row in result.get("versus") or []:
         lines.append(

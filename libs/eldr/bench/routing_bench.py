@@ -10,7 +10,7 @@ The benchmark follows the paper's method on recorded expert traces:
    routing time (what the prefill signature leaves on the table; not a bound);
 3. for each arrival rate, replay one Poisson arrival sequence of evaluation requests
    through every policy in the discrete-event simulator (`eldr.sim.cluster`), where each
-   decode step costs what the cost profile says for the experts its batch really
+   decode step costs what the deployment says for the experts its batch really
    activated. Arrivals keep copies of one request apart (`eldr.core.workload.arrivals`): no
    request is drawn again while an earlier copy is still decoding, where the pool is large
    enough for the load; where it is not, the run says so and reports, per policy, the
@@ -37,7 +37,7 @@ The benchmark follows the paper's method on recorded expert traces:
 the load-bounded band, the cost-aware policy with a partition bonus); `--scenario drift`
 and `--scenario churn` run the online benchmarks instead (`eldr.bench.online_bench`).
 
-Arrival rates are derived from target batch sizes with Little's law and the cost profile
+Arrival rates are derived from target batch sizes with Little's law and the deployment
 (a rate at which a round-robin worker would hold about B requests), so that every cost
 profile is exercised at comparable batch sizes; `--rates` sets them explicitly.
 """
@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 
 from eldr.bench.reference import LockstepModel
-from eldr.core.costmodel import CostProfile
+from eldr.core.costmodel import Deployment
 from eldr.core.partition.kmeans import balanced_spherical_kmeans
 from eldr.core.routing.activity import ExpertDemand, expert_demand
 from eldr.core.routing.pipeline import FixedAssignment, Policy, make_policy
@@ -81,7 +81,7 @@ from eldr.core.workload.arrivals import (
 )
 from eldr.core.workload.sizing import expected_step_s, rates_for_batch_targets, stratified_split
 from eldr.core.workload.trace import TraceSet, counts_matrix
-from eldr.data.profiles import DEFAULT_PROFILE_FOR_TRACES, load_catalog
+from eldr.data.deployments import DEFAULT_DEPLOYMENT_FOR_TRACES, load_catalog
 from eldr.progress import NO_PROGRESS, Progress
 from eldr.sim.cluster import (
     SimConfig,
@@ -199,8 +199,8 @@ class BenchConfig:
     max_batch: int = 256
     batch_targets: tuple[float, ...] = QUICK_BATCH_TARGETS
     rates: tuple[float, ...] | None = None
-    profile: str = DEFAULT_PROFILE_FOR_TRACES
-    whatif_profiles: tuple[str, ...] = ()
+    deployment: str = DEFAULT_DEPLOYMENT_FOR_TRACES
+    whatif_deployments: tuple[str, ...] = ()
     layer_selection: str = "greedy"
     transform: str = "idf"
     seed: int = 0
@@ -328,7 +328,7 @@ def _finite_or_none(x: float) -> float | None:
 
 
 def draw_arrivals(
-    prepared: Prepared, cost: CostProfile, rate: float, config: BenchConfig
+    prepared: Prepared, cost: Deployment, rate: float, config: BenchConfig
 ) -> ArrivalDraw:
     """Which evaluation request arrives when, for one rate (identical for every policy).
 
@@ -347,7 +347,7 @@ def draw_arrivals(
 def run_policy(
     prepared: Prepared,
     profile: ProfileBase,
-    cost: CostProfile,
+    cost: Deployment,
     rate: float,
     config: BenchConfig,
     arrivals: np.ndarray,
@@ -404,7 +404,7 @@ def random_rounds(arrivals: int, workers: int, rng: np.random.Generator) -> np.n
 
 def search_reference(
     prepared: Prepared,
-    cost: CostProfile,
+    cost: Deployment,
     rate: float,
     config: BenchConfig,
     draw: ArrivalDraw,
@@ -462,7 +462,7 @@ def search_reference(
 
 
 def _row(
-    res: SimResult, label: str, params: dict[str, Any], profile: str, draw: ArrivalDraw
+    res: SimResult, label: str, params: dict[str, Any], deployment: str, draw: ArrivalDraw
 ) -> dict[str, Any]:
     measured_from = res.worker_of.size - res.tpot_s.size
     copies = copy_overlap(
@@ -471,7 +471,7 @@ def _row(
     tokens = float(res.batch_steps.sum())
     row: dict[str, Any] = {
         "policy": label,
-        "profile": profile,
+        "profile": deployment,
         "rate": res.arrival_rate_per_s,
         "tpot_p50_ms": round(res.tpot_percentile_ms(50), 4),
         "tpot_p95_ms": round(res.tpot_percentile_ms(95), 4),
@@ -497,8 +497,10 @@ def _row(
     return row
 
 
-def _spec_row(res: SimResult, bp: BenchPolicy, profile: str, draw: ArrivalDraw) -> dict[str, Any]:
-    row = _row(res, bp.label, bp.profile.params(), profile, draw)
+def _spec_row(
+    res: SimResult, bp: BenchPolicy, deployment: str, draw: ArrivalDraw
+) -> dict[str, Any]:
+    row = _row(res, bp.label, bp.profile.params(), deployment, draw)
     if bp.profile.band_tau is not None:
         row["tau"] = bp.profile.band_tau
     return row
@@ -522,7 +524,7 @@ def _share(base: float, policy: float, bound: float) -> float | None:
 
 def summarize_rate(
     rows: Sequence[dict[str, Any]],
-    profile: str,
+    deployment: str,
     arrivals: dict[str, Any] | None = None,
     batch_target: float | None = None,
 ) -> dict[str, Any]:
@@ -536,7 +538,7 @@ def summarize_rate(
     at = {r["policy"]: r for r in rows}
     rate = rows[0]["rate"] if rows else None
     baselines = [at[p] for p in BASELINES if p in at]
-    out: dict[str, Any] = {"profile": profile, "rate": rate}
+    out: dict[str, Any] = {"profile": deployment, "rate": rate}
     if batch_target is not None:
         out["batch_target"] = batch_target
     if not baselines:
@@ -633,7 +635,7 @@ def summarize_rate(
 
 def summarize(
     results: list[dict[str, Any]],
-    profile: str,
+    deployment: str,
     arrivals_by_rate: dict[float, dict[str, Any]] | None = None,
     targets_by_rate: dict[float, float] | None = None,
     information: str = PERFECT,
@@ -644,13 +646,13 @@ def summarize(
     rows = [
         r
         for r in results
-        if r["profile"] == profile and r.get("information", PERFECT) == information
+        if r["profile"] == deployment and r.get("information", PERFECT) == information
     ]
     rates = sorted({r["rate"] for r in rows})
     by_target = [
         summarize_rate(
             [r for r in rows if r["rate"] == rate],
-            profile,
+            deployment,
             (arrivals_by_rate or {}).get(rate),
             (targets_by_rate or {}).get(rate),
         )
@@ -659,7 +661,7 @@ def summarize(
     ok = [s for s in by_target if "best_baseline" in s and not s["baseline_saturated"]]
     if not ok:
         return {
-            "profile": profile,
+            "profile": deployment,
             "rate": None,
             "note": "every rate saturates a baseline",
             "by_target": by_target,
@@ -667,17 +669,17 @@ def summarize(
     return {**ok[-1], "by_target": by_target}
 
 
-def information_effect(results: Sequence[dict[str, Any]], profile: str) -> list[dict[str, Any]]:
+def information_effect(results: Sequence[dict[str, Any]], deployment: str) -> list[dict[str, Any]]:
     """Per rate and policy run both ways: union, P50 and P99 with live information against
     the same policy with perfect information (percent; positive = worse live)."""
     perfect = {
         (r["rate"], r["policy"]): r
         for r in results
-        if r["profile"] == profile and r.get("information", PERFECT) == PERFECT
+        if r["profile"] == deployment and r.get("information", PERFECT) == PERFECT
     }
     out = []
     for r in results:
-        if r["profile"] != profile or r.get("information") != LIVE:
+        if r["profile"] != deployment or r.get("information") != LIVE:
             continue
         p = perfect.get((r["rate"], r["policy"]))
         if p is None:
@@ -704,29 +706,29 @@ def run_bench(
     """Run the whole benchmark and return the JSON-ready result."""
     started = time.perf_counter()
     catalog = load_catalog()
-    primary = catalog.get(config.profile)
+    primary = catalog.get(config.deployment)
     progress.describe("calibrating")
     prepared = prepare(traces, config)
-    profiles = [primary] + [catalog.get(name) for name in config.whatif_profiles]
+    deployments = [primary] + [catalog.get(name) for name in config.whatif_deployments]
     results: list[dict[str, Any]] = []
-    rates_by_profile: dict[str, list[float]] = {}
-    arrivals_by_profile: dict[str, dict[float, dict[str, Any]]] = {}
-    targets_by_profile: dict[str, dict[float, float]] = {}
+    rates_by_deployment: dict[str, list[float]] = {}
+    arrivals_by_deployment: dict[str, dict[float, dict[str, Any]]] = {}
+    targets_by_deployment: dict[str, dict[float, float]] = {}
     bound_info: dict[str, dict[str, Any]] = {}
     lineup = config.lineup()
-    for cost in profiles:
+    for cost in deployments:
         rates = (
             list(config.rates)
             if config.rates
             else rates_for_batch_targets(cost, traces, config.decoders, config.batch_targets)
         )
-        rates_by_profile[cost.name] = rates
+        rates_by_deployment[cost.name] = rates
         if not config.rates:
-            targets_by_profile[cost.name] = dict(zip(rates, config.batch_targets, strict=True))
-        arrivals_by_profile[cost.name] = {}
+            targets_by_deployment[cost.name] = dict(zip(rates, config.batch_targets, strict=True))
+        arrivals_by_deployment[cost.name] = {}
         for rate in rates:
             draw = draw_arrivals(prepared, cost, rate, config)
-            arrivals_by_profile[cost.name][rate] = draw.describe()
+            arrivals_by_deployment[cost.name][rate] = draw.describe()
             starts: dict[str, SimResult] = {}
             for bp in lineup:
                 progress.describe(f"{rate:.0f} req/s {bp.label}")
@@ -736,7 +738,7 @@ def run_bench(
                     starts[bp.label] = res
                 progress.advance()
                 log.info(
-                    "profile=%s rate=%.1f policy=%s p50=%.3fms p99=%.3fms union=%.3f",
+                    "deployment=%s rate=%.1f policy=%s p50=%.3fms p99=%.3fms union=%.3f",
                     cost.name,
                     rate,
                     bp.label,
@@ -767,7 +769,7 @@ def run_bench(
                 bound_info[str(rate)] = info
                 progress.advance()
                 log.info(
-                    "profile=%s rate=%.1f reference union=%.3f (%d moves, %.1f s)",
+                    "deployment=%s rate=%.1f reference union=%.3f (%d moves, %.1f s)",
                     cost.name,
                     rate,
                     row["expert_union_mean"],
@@ -797,7 +799,7 @@ def run_bench(
             "arrivals_apart": config.arrivals_apart,
             "arrivals_by_profile": {
                 name: [{"rate": rate, **info} for rate, info in by_rate.items()]
-                for name, by_rate in arrivals_by_profile.items()
+                for name, by_rate in arrivals_by_deployment.items()
             },
             # What the lineup's band rules and load-balancing policies ran with.
             "tau": _paper(config).band_tau,
@@ -806,22 +808,24 @@ def run_bench(
             "default_policy": DEFAULT_POLICY,
             "paper_policy": PAPER_POLICY,
             "seed": config.seed,
-            "cost_profile": _profile_info(primary),
-            "whatif_profiles": [_profile_info(p) for p in profiles[1:]],
-            "rates_by_profile": rates_by_profile,
+            "cost_profile": _deployment_info(primary),
+            "whatif_profiles": [_deployment_info(p) for p in deployments[1:]],
+            "rates_by_profile": rates_by_deployment,
             "reference": bound_info,
         },
-        "rates": rates_by_profile[primary.name],
+        "rates": rates_by_deployment[primary.name],
         "results": results,
         "summary": summarize(
             results,
             primary.name,
-            arrivals_by_profile[primary.name],
-            targets_by_profile.get(primary.name),
+            arrivals_by_deployment[primary.name],
+            targets_by_deployment.get(primary.name),
         ),
         "whatif_summaries": [
-            summarize(results, p.name, arrivals_by_profile[p.name], targets_by_profile.get(p.name))
-            for p in profiles[1:]
+            summarize(
+                results, p.name, arrivals_by_deployment[p.name], targets_by_deployment.get(p.name)
+            )
+            for p in deployments[1:]
         ],
         **(
             {}
@@ -833,8 +837,8 @@ def run_bench(
                     "summary": summarize(
                         results,
                         primary.name,
-                        arrivals_by_profile[primary.name],
-                        targets_by_profile.get(primary.name),
+                        arrivals_by_deployment[primary.name],
+                        targets_by_deployment.get(primary.name),
                         information=LIVE,
                     ),
                     "versus_perfect": information_effect(results, primary.name),
@@ -847,7 +851,7 @@ def run_bench(
 
 def bench_steps(config: BenchConfig, num_rates: int) -> int:
     """Units of work `run_bench` reports to its progress (simulations and searches)."""
-    profiles = 1 + len(config.whatif_profiles)
+    profiles = 1 + len(config.whatif_deployments)
     lineup = len(config.lineup())
     bound = 1 if config.reference and DEFAULT_POLICY in config.policies else 0
     live = 0
@@ -856,7 +860,7 @@ def bench_steps(config: BenchConfig, num_rates: int) -> int:
     return num_rates * (profiles * lineup + bound + live)
 
 
-def _profile_info(cost: CostProfile) -> dict[str, Any]:
+def _deployment_info(cost: Deployment) -> dict[str, Any]:
     info: dict[str, Any] = {
         "name": cost.name,
         "model": cost.model.name,
@@ -865,7 +869,7 @@ def _profile_info(cost: CostProfile) -> dict[str, Any]:
         "overhead_ms": round(cost.overhead_s * 1e3, 3),
         "description": cost.description,
     }
-    if cost.measured:  # spec-derived profiles keep exactly the keys above
+    if cost.measured:  # spec-derived deployments keep exactly the keys above
         info["measured"] = {
             "expert_us": round(cost.expert_time_s * 1e6, 4),
             "bandwidth_expert_us": round(
@@ -1001,17 +1005,17 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    """TPOT P50/P99 and expert union vs rate, one line per policy (primary profile)."""
+    """TPOT P50/P99 and expert union vs rate, one line per policy (primary deployment)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    profile = result["input"]["cost_profile"]["name"]
+    deployment = result["input"]["cost_profile"]["name"]
     rows = [
         r
         for r in result["results"]
-        if r["profile"] == profile and r.get("information", PERFECT) == PERFECT
+        if r["profile"] == deployment and r.get("information", PERFECT) == PERFECT
     ]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for policy in dict.fromkeys(r["policy"] for r in rows):
@@ -1029,7 +1033,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].legend()
     synthetic = " [SYNTHETIC input]" if result["input"]["synthetic"] else ""
-    fig.suptitle(f"eldr bench: {result['input']['traces']}, {profile}{synthetic}")
+    fig.suptitle(f"eldr bench: {result['input']['traces']}, {deployment}{synthetic}")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -17,7 +17,7 @@ from eldr.settings import NAMESPACE_PATTERN, RetentionSettings
 from eldr.wire import (
     BlockSummaryBatch,
     CaptureStatus,
-    DecodeProfile,
+    DecodeSummary,
     LoadReport,
     Message,
     PrefillDone,
@@ -50,7 +50,7 @@ IDENTITY: dict[type[Message], str] = {
     BlockSummaryBatch: "worker_id",
     PrefillDone: "prefill_worker",
     LoadReport: "worker_id",
-    DecodeProfile: "worker_id",
+    DecodeSummary: "worker_id",
     RequestFinished: "gateway_id",
     CaptureStatus: "worker_id",
 }

@@ -8,12 +8,12 @@ that any token of the batch routed to. The model here is
                / (gpus_per_worker * hbm_bytes_per_s * achievable_fraction)
 
 where `expert_union_total` is the number of distinct (MoE layer, expert) pairs the batch
-activates in this step. A *measured* profile (written by `eldr bench-moe-step fit` from a
+activates in this step. A *measured* deployment (written by `eldr bench-moe-step fit` from a
 GPU microbenchmark) replaces the expert term's bytes over bandwidth by a measured time per
 activated expert, `expert_union_total * expert_s`, and may add `batch_tokens * token_s`;
 the dense and KV terms stay bytes over bandwidth. Every parameter, its value and its source
-are listed in docs/COST_MODEL.md; the numbers live in `libs/eldr/data/cost_profiles.toml`
-(and `measured_profiles.toml`) and are read by `eldr.data.profiles`. This module is pure:
+are listed in docs/COST_MODEL.md; the numbers live in `libs/eldr/data/deployments.toml`
+(and `measured_deployments.toml`) and are read by `eldr.data.deployments`. This module is pure:
 it knows nothing about files.
 """
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
-class GpuProfile:
+class GpuSpec:
     """Memory system of one accelerator."""
 
     name: str
@@ -43,7 +43,7 @@ class GpuProfile:
 
 
 @dataclass(frozen=True)
-class ModelProfile:
+class ModelSpec:
     """Bytes a decode step of one model streams, split into its parts.
 
     expert_params: parameters of one routed expert (all its weight matrices).
@@ -87,7 +87,7 @@ class ModelProfile:
 
 
 @dataclass(frozen=True)
-class CostProfile:
+class Deployment:
     """A model deployed on `gpus_per_worker` GPUs per decode worker (tensor parallel).
 
     With tensor parallelism every GPU holds a 1/gpus slice of every weight, so a step's
@@ -95,7 +95,7 @@ class CostProfile:
     `overhead_s` is the per-step time that is not weight or KV streaming (scheduling,
     kernel launches, collectives, sampling); docs/COST_MODEL.md says where it comes from.
 
-    Measured profiles only (None / 0 in every spec-derived profile):
+    Measured deployments only (None / 0 in every spec-derived deployment):
     `expert_s`: measured seconds per distinct (MoE layer, expert) pair of a step on this
     worker, in place of expert_bytes / worker_bytes_per_s; `token_s`: measured seconds per
     batch token per step, summed over the MoE layers; `provenance`: where the measurement
@@ -103,8 +103,8 @@ class CostProfile:
     """
 
     name: str
-    model: ModelProfile
-    gpu: GpuProfile
+    model: ModelSpec
+    gpu: GpuSpec
     gpus_per_worker: int
     overhead_s: float
     description: str = ""
@@ -154,7 +154,7 @@ class CostProfile:
         expert_union_total: distinct (MoE layer, expert) pairs activated by the batch in
         this step, summed over MoE layers. kv_tokens: tokens in the batch's KV caches.
         batch_tokens: tokens decoded in this step (one per running request); only a
-        measured profile with a `token_s` term uses it.
+        measured deployment with a `token_s` term uses it.
         """
         if expert_union_total < 0 or kv_tokens < 0 or batch_tokens < 0:
             raise ValueError("expert_union_total, kv_tokens and batch_tokens must be non-negative")
@@ -174,7 +174,7 @@ class CostProfile:
             step_s += batch_tokens * self.token_s
         return step_s
 
-    def with_overhead(self, overhead_s: float, name: str | None = None) -> CostProfile:
+    def with_overhead(self, overhead_s: float, name: str | None = None) -> Deployment:
         """The same deployment with another fixed per-step overhead (for what-if reports)."""
         return replace(
             self,

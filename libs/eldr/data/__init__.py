@@ -1,1 +1,1 @@
-"""Package data (cost profiles) and loaders for data files from outside the project."""
+"""Package data (deployments) and loaders for data files from outside the project."""

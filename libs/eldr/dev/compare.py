@@ -5,12 +5,12 @@ replicas, the trainer, simulated decode workers in real time, 2 routers; calibra
 round-robin, a refit, then one evaluation pass per policy). While each evaluation pass runs,
 a probe on the bus records what the routers hear and when: every decision (its replica, its
 worker, the fleet load it saw, when it was built), every load report, finish event and
-decode profile, each with its send time (the messages' own wall-clock stamps, one machine,
+decode summary, each with its send time (the messages' own wall-clock stamps, one machine,
 one clock) and receive time.
 
 The simulated side replays each live pass in `eldr.sim.cluster.simulate` with the same
 requests in the same order at the same times (the live decisions' times), the same decode
-workers (count, batch limit, cost profile), the live trainer's partition (fetched from the
+workers (count, batch limit, deployment), the live trainer's partition (fetched from the
 object store: the paper rule's scores are the live router's), and the live router's demand
 estimate for `eldr_cost`. Three simulations per policy:
 
@@ -54,14 +54,14 @@ from typing import Any
 import numpy as np
 
 from eldr.bus import Bus, BusError, Delivery, RemoteError, Subscription
-from eldr.core.costmodel import CostProfile
+from eldr.core.costmodel import Deployment
 from eldr.core.partition.partition import Partition
 from eldr.core.routing.activity import ExpertDemand
 from eldr.core.routing.decide import RouteRequest, request_demand
 from eldr.core.routing.pipeline import FixedAssignment, Policy, make_policy
 from eldr.core.routing.profile import ProfileBase
 from eldr.core.workload.trace import TraceSet, expert_counts
-from eldr.data.profiles import load_catalog
+from eldr.data.deployments import load_catalog
 from eldr.dev.demo import (
     DemoConfig,
     DemoResult,
@@ -89,8 +89,8 @@ from eldr.sim.cluster import (
 )
 from eldr.sim.information import InformationModel
 from eldr.sim.information import describe as describe_information
-from eldr.sim.traffic import ReplaySummary, TraceReplayer
-from eldr.wire import Decision, DecodeProfile, LoadReport, RequestFinished
+from eldr.sim.traffic import TrafficDriver, TrafficSummary
+from eldr.wire import Decision, DecodeSummary, LoadReport, RequestFinished
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class _Heard:
     """request id -> (decision, wall time the probe received it)."""
     report_hops_s: list[float] = field(default_factory=list)
     finished: dict[str, tuple[RequestFinished, float]] = field(default_factory=dict)
-    profiles: dict[str, DecodeProfile] = field(default_factory=dict)
+    summaries: dict[str, DecodeSummary] = field(default_factory=dict)
 
 
 class LiveProbe:
@@ -145,7 +145,7 @@ class LiveProbe:
             await self.bus.subscribe(s.decisions_all, Decision, self._on_decision),
             await self.bus.subscribe(s.load_all, LoadReport, self._on_report),
             await self.bus.subscribe(s.finished_all, RequestFinished, self._on_finished),
-            await self.bus.subscribe(s.profiles_all, DecodeProfile, self._on_profile),
+            await self.bus.subscribe(s.profiles_all, DecodeSummary, self._on_summary),
         ]
 
     async def stop(self) -> None:
@@ -162,8 +162,8 @@ class LiveProbe:
     async def _on_finished(self, msg: RequestFinished, _: Delivery) -> None:
         self.heard.finished.setdefault(msg.request_id, (msg, time.time()))
 
-    async def _on_profile(self, msg: DecodeProfile, _: Delivery) -> None:
-        self.heard.profiles.setdefault(msg.request_id, msg)
+    async def _on_summary(self, msg: DecodeSummary, _: Delivery) -> None:
+        self.heard.summaries.setdefault(msg.request_id, msg)
 
 
 @dataclass
@@ -196,12 +196,12 @@ def _median(values: list[float]) -> float:
 def build_pass(
     policy: str,
     heard: _Heard,
-    replayer: TraceReplayer,
+    driver: TrafficDriver,
     decoders: int,
     time_scale: float,
 ) -> LivePass:
-    """Join the replayer's records with what the probe heard."""
-    records = [r for r in replayer.records if r.worker_id is not None]
+    """Join the driver's records with what the probe heard."""
+    records = [r for r in driver.records if r.worker_id is not None]
     rows = [(r, heard.decisions[r.request_id]) for r in records if r.request_id in heard.decisions]
     if not rows:
         raise RuntimeError(f"the probe heard no decision of the {policy} pass")
@@ -221,7 +221,7 @@ def build_pass(
             continue
         msg, recv = fin
         finish_hops.append(recv - msg.ts_s)
-        prof = heard.profiles.get(r.request_id)
+        prof = heard.summaries.get(r.request_id)
         if msg.decode_s is None or prof is None or prof.tpot_s is None:
             finish_s[i] = msg.ts_s - t0
             continue
@@ -370,14 +370,14 @@ class CompareObserver:
         await self._probe.start()
 
     async def after_pass(
-        self, bus: Bus, policy: str, replayer: TraceReplayer, summary: ReplaySummary
+        self, bus: Bus, policy: str, driver: TrafficDriver, summary: TrafficSummary
     ) -> None:
         probe = self._probe
         assert probe is not None
         await asyncio.sleep(PROBE_GRACE_S)  # the last finish events are on their way
         await probe.stop()
         self.passes[policy] = build_pass(
-            policy, probe.heard, replayer, self.decoders, self.time_scale
+            policy, probe.heard, driver, self.decoders, self.time_scale
         )
         after = await asyncio.to_thread(worker_lateness, self._simdecode_urls)
         before = self._late_before
@@ -469,7 +469,7 @@ def simulate_pass(
     live: LivePass,
     policy: Policy,
     inputs: SimInputs,
-    cost: CostProfile,
+    cost: Deployment,
     config: DemoConfig,
     rate_per_s: float,
     information: InformationModel | None,
@@ -614,7 +614,7 @@ def cuts(comparisons: list[PolicyComparison]) -> dict[str, dict[str, dict[str, A
 
 
 def compare(
-    demo: DemoResult, observer: CompareObserver, config: DemoConfig, cost: CostProfile
+    demo: DemoResult, observer: CompareObserver, config: DemoConfig, cost: Deployment
 ) -> list[PolicyComparison]:
     """The three simulations of every live pass, beside it."""
     assert observer.evaluation is not None
@@ -675,7 +675,7 @@ def run_compare(config: DemoConfig) -> CompareResult:
     if config.time_scale <= 0:
         raise ValueError("time_scale must be positive")
     traces = load_input(config)
-    cost = load_catalog().get(config.profile)
+    cost = load_catalog().get(config.deployment)
     observer = CompareObserver(config.decoders, config.time_scale)
     with terminal_progress(demo_requests(config), "eldr compare-live", unit="req") as progress:
         demo = run_demo(config, observer=observer, progress=progress, traces=traces)

@@ -3,7 +3,7 @@
 1. Start the local stack (`eldr.dev.stack`): embedded nats-server, SQLite (or the given
    database), 2 signature replicas, the trainer, simulated decode workers, 2 routers.
 2. Calibration: replay a calibration set of requests under round-robin, so the trainer sees
-   signatures (from the decision records) and decode profiles (from the workers).
+   signatures (from the decision records) and decode summaries (from the workers).
 3. Refit: ask the trainer for a partition; wait until every router has loaded it.
 4. Evaluation: replay the *same* evaluation requests at the same arrival times under each
    policy in turn, and compare what the simulated decode workers measured: distinct experts
@@ -37,7 +37,7 @@ import numpy as np
 
 from eldr.bus import Bus, BusError, Delivery, RemoteError, Subscription, stream_name
 from eldr.bus.topology import DECISIONS
-from eldr.core.costmodel import CostProfile
+from eldr.core.costmodel import Deployment
 from eldr.core.routing.profile import (
     DEFAULT_PROFILE,
     LOAD_ONLY_PROFILES,
@@ -64,12 +64,12 @@ from eldr.core.workload.sizing import (
 from eldr.core.workload.synthetic import SyntheticSpec, generate
 from eldr.core.workload.synthetic_fit import FITTED_SPEC
 from eldr.core.workload.trace import TraceSet
-from eldr.data.profiles import DEFAULT_PROFILE_FOR_TRACES, load_catalog
+from eldr.data.deployments import DEFAULT_DEPLOYMENT_FOR_TRACES, load_catalog
 from eldr.dev.stack import Stack, StackConfig
 from eldr.progress import NO_PROGRESS, Progress, terminal_progress
 from eldr.runtime import run_async
 from eldr.settings import BusSettings
-from eldr.sim.traffic import ReplayConfig, ReplaySummary, TraceReplayer
+from eldr.sim.traffic import TrafficConfig, TrafficDriver, TrafficSummary
 from eldr.wire import (
     RefitReply,
     RefitRequest,
@@ -114,7 +114,7 @@ class DemoConfig:
     arrivals_apart: bool = True
     """Keep copies of one evaluation request apart (`draw_apart`); False: with replacement."""
     seed: int = 0
-    profile: str = DEFAULT_PROFILE_FOR_TRACES
+    deployment: str = DEFAULT_DEPLOYMENT_FOR_TRACES
     database_url: str | None = None
     nats_url: str | None = None
     namespace: str | None = None
@@ -226,7 +226,7 @@ def with_baselines(profiles: tuple[ProfileBase, ...]) -> tuple[ProfileBase, ...]
 
 
 def evaluation_draw(
-    config: DemoConfig, traces: TraceSet, pool: np.ndarray, cost: CostProfile, rate_per_s: float
+    config: DemoConfig, traces: TraceSet, pool: np.ndarray, cost: Deployment, rate_per_s: float
 ) -> ArrivalDraw:
     """Which evaluation request arrives when, identical for every policy's pass.
 
@@ -244,7 +244,7 @@ def evaluation_draw(
 
 
 class FinishClock:
-    """When each request of a pass decoded, from the finish events the replayer publishes
+    """When each request of a pass decoded, from the finish events the driver publishes
     as the gateway does: (job sent, last token reported, worker)."""
 
     def __init__(self, bus: Bus) -> None:
@@ -266,12 +266,12 @@ class FinishClock:
         if msg.decode_s is not None and msg.worker_id is not None:
             self.decoded[msg.request_id] = (msg.ts_s - msg.decode_s, msg.ts_s, msg.worker_id)
 
-    def copies(self, replayer: TraceReplayer) -> tuple[float, float] | None:
+    def copies(self, driver: TrafficDriver) -> tuple[float, float] | None:
         """(in flight anywhere, on the same worker): the shares of the pass's decoded
         requests whose decode overlapped a copy's (`copy_overlap`); None: none decoded."""
         rows = [
             (r.trace_index, *self.decoded[r.request_id])
-            for r in replayer.records
+            for r in driver.records
             if r.request_id in self.decoded
         ]
         if not rows:
@@ -293,7 +293,7 @@ def load_input(config: DemoConfig) -> TraceSet:
 
         return load_trace_dir(config.traces, num_experts=config.num_experts)
     # Fitted to the real Llama-4-Maverick traces (`eldr.core.workload.synthetic_fit.FITTED_SPEC`):
-    # their routing geometry (the model of the default cost profile), topics, skew,
+    # their routing geometry (the model of the default deployment), topics, skew,
     # correlation and lengths.
     spec = config.synthetic_spec or FITTED_SPEC
     return generate(spec, config.synthetic_requests, np.random.default_rng(config.seed))
@@ -381,20 +381,20 @@ class DemoObserver(Protocol):
         """The routers run `policy`; its evaluation pass starts next."""
 
     async def after_pass(
-        self, bus: Bus, policy: str, replayer: TraceReplayer, summary: ReplaySummary
+        self, bus: Bus, policy: str, driver: TrafficDriver, summary: TrafficSummary
     ) -> None:
         """Its evaluation pass is over: every request decoded and its finish published."""
 
 
 async def _with_progress(
-    run: Awaitable[ReplaySummary], replay: TraceReplayer, progress: Progress
-) -> ReplaySummary:
+    run: Awaitable[TrafficSummary], driver: TrafficDriver, progress: Progress
+) -> TrafficSummary:
     """Await a replay run, advancing `progress` by the requests it starts."""
     task = asyncio.ensure_future(run)
     shown = 0
     while not task.done():
         await asyncio.wait({task}, timeout=0.25)
-        now = replay.started_requests
+        now = driver.started_requests
         progress.advance(now - shown)
         shown = now
     return task.result()
@@ -412,14 +412,14 @@ async def drive(
         [t.label for t in traces.traces], 0.4, np.random.default_rng(config.seed)
     )
     cal, ev = traces.subset(cal_idx.tolist()), traces.subset(ev_idx.tolist())
-    cost = load_catalog().get(config.profile)
+    cost = load_catalog().get(config.deployment)
     rate = (
         config.rate_per_s
         or rates_for_batch_targets(cost, traces, config.decoders, [config.target_batch])[0]
         / config.time_scale
     )
     draw = evaluation_draw(config, traces, ev_idx, cost, rate)
-    # The replayer indexes the evaluation subset, in `ev_idx` order.
+    # The driver indexes the evaluation subset, in `ev_idx` order.
     position = {int(i): n for n, i in enumerate(ev_idx)}
     planned = (np.array([position[int(r)] for r in draw.requests]), draw.arrival_s)
     if not draw.apart:
@@ -444,15 +444,15 @@ async def drive(
             rate,
         )
         await set_profile(bus, RoundRobinProfile(), routers)
-        replay = TraceReplayer(
-            bus, cal, ReplayConfig(model=model, rate_per_s=rate, seed=config.seed)
+        driver = TrafficDriver(
+            bus, cal, TrafficConfig(model=model, rate_per_s=rate, seed=config.seed)
         )
-        async with replay:
+        async with driver:
             calibration = await _with_progress(
-                replay.run(config.calibration_requests), replay, progress
+                driver.run(config.calibration_requests), driver, progress
             )
             await wait_idle(bus, config.decoders, timeout_s=120)
-            await replay.wait_decoded(timeout_s=30)
+            await driver.wait_decoded(timeout_s=30)
         progress.describe("refit")
         log.info("refit")
         reply = await bus.request(
@@ -477,21 +477,21 @@ async def drive(
             await worker_stats(bus, config.decoders, reset=True)
             if observer is not None:
                 await observer.before_pass(bus, policy)
-            replay = TraceReplayer(
-                bus, ev, ReplayConfig(model=model, rate_per_s=rate, seed=config.seed + 1)
+            driver = TrafficDriver(
+                bus, ev, TrafficConfig(model=model, rate_per_s=rate, seed=config.seed + 1)
             )
-            async with replay, FinishClock(bus) as clock:
+            async with driver, FinishClock(bus) as clock:
                 summary = await _with_progress(
-                    replay.run(config.evaluation_requests, planned), replay, progress
+                    driver.run(config.evaluation_requests, planned), driver, progress
                 )
                 await wait_idle(bus, config.decoders, timeout_s=120)
-                await replay.wait_decoded(timeout_s=30)
+                await driver.wait_decoded(timeout_s=30)
                 await asyncio.sleep(FINISH_GRACE_S)  # the last finish events are on their way
             measured = summarize_workers(await worker_stats(bus, config.decoders))
             if observer is not None:
-                await observer.after_pass(bus, policy, replay, summary)
+                await observer.after_pass(bus, policy, driver, summary)
             result = _policy_result(profile, summary, measured)
-            copies = clock.copies(replay)
+            copies = clock.copies(driver)
             if copies is not None:
                 result.copies_in_flight_share, result.copies_same_worker_share = copies
             results.append(result)
@@ -524,7 +524,7 @@ async def drive(
     )
 
 
-def _policy_result(profile: ProfileBase, s: ReplaySummary, m: dict[str, float]) -> PolicyResult:
+def _policy_result(profile: ProfileBase, s: TrafficSummary, m: dict[str, float]) -> PolicyResult:
     return PolicyResult(
         policy=profile.name,
         params=profile.params(),
@@ -556,7 +556,7 @@ def stack_config(config: DemoConfig, traces: TraceSet) -> StackConfig:
         replicas={"signature": config.signature_replicas, "router": config.router_replicas},
         env={
             "ELDR_SIMDECODE_TIME_SCALE": str(config.time_scale),
-            "ELDR_SIMDECODE_PROFILE": config.profile,
+            "ELDR_SIMDECODE_PROFILE": config.deployment,
             "ELDR_SIMDECODE_NUM_EXPERTS": str(traces.geometry.num_experts),
             "ELDR_SIMDECODE_MAX_BATCH": str(config.max_batch),
             "ELDR_SIMDECODE_REPORT_INTERVAL_S": str(config.report_interval_s),
@@ -596,7 +596,7 @@ def format_result(result: DemoResult) -> str:
     lines = [
         f"input: {inp['traces']} ({kind}), {inp['requests']} distinct requests "
         f"(calibration pool {inp['calibration_pool']}, evaluation pool {inp['evaluation_pool']})",
-        f"{inp['decoders']} simulated decode workers, cost profile {inp['cost_profile']}, "
+        f"{inp['decoders']} simulated decode workers, deployment {inp['cost_profile']}, "
         f"time scale {inp['time_scale']}, arrival rate {result.rate_per_s} req/s",
         f"partition version {result.partition_version}: {result.refit_message}",
         format_arrivals(result.arrivals),

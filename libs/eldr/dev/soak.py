@@ -1,11 +1,11 @@
 """`eldr soak`: the local stack under steady load for a long time, watching what must stay
 bounded.
 
-The question it answers: with decode workers that never publish decode profiles (real vLLM
+The question it answers: with decode workers that never publish decode summaries (real vLLM
 decode instances without the capture plugin), do the gateway's finish events alone keep
 the routers' activity tables bounded and the default policy working? It starts the local
 stack (`eldr.dev.stack`) with the simulated decode workers' profiles on or off
-(`--profiles/--no-profiles`), replays requests through the simulated gateway (which
+(`--decode-summaries/--no-decode-summaries`), replays requests through the simulated gateway (which
 publishes a `RequestFinished` per request, as the real gateway does) at a fixed rate for a
 fixed time, and samples every few seconds:
 
@@ -48,7 +48,7 @@ from eldr.dev.demo import (
 from eldr.dev.stack import Stack, StackConfig
 from eldr.runtime import run_async
 from eldr.settings import BusSettings
-from eldr.sim.traffic import ReplayConfig, TraceReplayer
+from eldr.sim.traffic import TrafficConfig, TrafficDriver
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,8 @@ class SoakConfig:
     duration_s: float = 600.0
     rate_per_s: float = 200.0
     decoders: int = 8
-    profiles: bool = False
-    """Whether the simulated decode workers publish decode profiles."""
+    decode_summaries: bool = False
+    """Whether the simulated decode workers publish decode summaries."""
     policy: str = DEFAULT_PROFILE.name
     """The routers' policy, with its default parameters."""
     traces: Path | None = None
@@ -181,8 +181,8 @@ async def drive(config: SoakConfig, stack: Stack, settings: BusSettings) -> Soak
         await set_profile(bus, profile_from_params(config.policy), config.router_replicas)
         await worker_stats(bus, config.decoders, reset=True)
         count = int(config.rate_per_s * config.duration_s)
-        replay = TraceReplayer(
-            bus, traces, ReplayConfig(model="soak", rate_per_s=config.rate_per_s, seed=config.seed)
+        driver = TrafficDriver(
+            bus, traces, TrafficConfig(model="soak", rate_per_s=config.rate_per_s, seed=config.seed)
         )
 
         async def sampler() -> None:
@@ -200,10 +200,10 @@ async def drive(config: SoakConfig, stack: Stack, settings: BusSettings) -> Soak
 
         task = asyncio.create_task(sampler())
         try:
-            async with replay:
-                summary = await replay.run(count)
+            async with driver:
+                summary = await driver.run(count)
                 await wait_idle(bus, config.decoders, timeout_s=300)
-                undecoded = await replay.wait_decoded(timeout_s=30)
+                undecoded = await driver.wait_decoded(timeout_s=30)
             await asyncio.sleep(1.0)  # the last finish events reach the routers
             if undecoded:
                 log.warning("%d jobs never said their decode ended", undecoded)
@@ -224,7 +224,7 @@ async def drive(config: SoakConfig, stack: Stack, settings: BusSettings) -> Soak
         decided=summary.decided,
         lost=summary.lost,
         conflicting=summary.conflicting,
-        finished_published=replay.finished_published,
+        finished_published=driver.finished_published,
         expert_union_mean=round(measured["expert_union_mean"], 3),
         batch_mean=round(measured["batch_mean"], 2),
         tpot_p50_ms=round(measured["tpot_p50_ms"], 3),
@@ -247,7 +247,7 @@ def run_soak(config: SoakConfig) -> SoakResult:
         decoders=config.decoders,
         replicas={"router": config.router_replicas},
         env={
-            "ELDR_SIMDECODE_PUBLISH_PROFILES": "1" if config.profiles else "0",
+            "ELDR_SIMDECODE_PUBLISH_PROFILES": "1" if config.decode_summaries else "0",
             "ELDR_REFIT_INTERVAL_S": "0",
             "ELDR_POLICY": config.policy,
             "OPENBLAS_NUM_THREADS": "1",
@@ -269,7 +269,7 @@ def format_result(r: SoakResult) -> str:
     return "\n".join(
         [
             f"soak: {r.config['duration_s']} s at {r.config['rate_per_s']} req/s, "
-            f"{r.config['decoders']} decoders, policy {r.config['policy']}, decode profiles "
+            f"{r.config['decoders']} decoders, policy {r.config['policy']}, decode summaries "
             f"{'on' if r.config['profiles'] == 'True' else 'off'}",
             f"requests sent {r.sent}, decided {r.decided}, lost {r.lost}, conflicting "
             f"{r.conflicting}, finish events {r.finished_published}",
@@ -297,10 +297,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--rate", type=float, default=200.0, help="requests per second")
     p.add_argument("--decoders", type=int, default=8)
     p.add_argument(
-        "--profiles",
+        "--decode-summaries",
         action=argparse.BooleanOptionalAction,
         default=False,
-        help="simulated decode workers publish decode profiles (default: off)",
+        help="simulated decode workers publish decode summaries (default: off)",
     )
     p.add_argument("--policy", default=DEFAULT_PROFILE.name)
     p.add_argument("--traces", type=Path, default=None, help="default: synthetic workload")
@@ -314,7 +314,7 @@ def _main(args: argparse.Namespace) -> int:
         duration_s=args.duration,
         rate_per_s=args.rate,
         decoders=args.decoders,
-        profiles=args.profiles,
+        decode_summaries=args.decode_summaries,
         policy=args.policy,
         traces=args.traces,
         seed=args.seed,

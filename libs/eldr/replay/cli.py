@@ -7,7 +7,7 @@
 
 RANGE selects decisions on the DECISIONS stream: `--last N` (default 10000), `--start-seq` /
 `--end-seq`, `--since` / `--until` (Unix seconds, ISO 8601, or an age such as 15m, 2h);
-the load reports, decode profiles, partition announcements and blobs around them come
+the load reports, decode summaries, partition announcements and blobs around them come
 along. WHAT-IF: `--policy`, `--tau`, `--load-measure`, `--param NAME=VALUE`,
 `--partition VERSION|FILE`. NATS settings come from the environment (`ELDR_NATS_URL`,
 `ELDR_NAMESPACE`, ...). See docs/REPLAY.md for a whole debugging session.
@@ -112,10 +112,10 @@ def _add_range(p: argparse.ArgumentParser) -> None:
     g.add_argument("--until", type=_time_arg, help="stored at or before")
     g.add_argument("--no-load-reports", action="store_true", help="leave out LOAD (it is the bulk)")
     g.add_argument(
-        "--profile-lag",
+        "--summary-lag",
         type=float,
         default=900.0,
-        help="seconds after the last decision to look for decode profiles (default 900)",
+        help="seconds after the last decision to look for decode summaries (default 900)",
     )
     g.add_argument(
         "--timeout", type=float, default=300.0, help="seconds to wait for NATS (default 300)"
@@ -194,17 +194,17 @@ def register(subparsers: Any) -> None:
     w.add_argument("--index-method", choices=("auto", "exact", "hnsw"), default="auto")
     m = p.add_argument_group("modelled decode effect")
     m.add_argument(
-        "--cost-profile",
+        "--deployment",
         default=None,
-        help="cost profile name (libs/eldr/data/cost_profiles.toml; default: the Llama-4 one)",
+        help="deployment name (libs/eldr/data/deployments.toml; default: the Llama-4 one)",
     )
-    m.add_argument("--cost-profiles", type=Path, default=None, help="a cost-profiles TOML file")
+    m.add_argument("--deployments", type=Path, default=None, help="a deployments TOML file")
     m.add_argument("--sample-s", type=float, default=None, help="batch sampling step")
     m.add_argument(
         "--default-duration",
         type=float,
         default=None,
-        help="in-flight seconds of a request without a decode profile (default: the median)",
+        help="in-flight seconds of a request without a decode summary (default: the median)",
     )
     o = p.add_argument_group("output")
     o.add_argument("--json", dest="json_out", help="write the report as JSON here ('-': stdout)")
@@ -264,7 +264,7 @@ async def _read_from_nats(
             bus,
             _selection(args),
             load_reports=not args.no_load_reports,
-            profile_lag_s=args.profile_lag,
+            summary_lag_s=args.summary_lag,
             timeout_s=args.timeout,
             undecodable=undecodable,
         )
@@ -410,7 +410,7 @@ def _partition_arg(args: argparse.Namespace, event_log: EventLog) -> Partition |
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    from eldr.data.profiles import DEFAULT_PROFILE_FOR_TRACES, ProfileError, load_catalog
+    from eldr.data.deployments import DEFAULT_DEPLOYMENT_FOR_TRACES, DeploymentError, load_catalog
     from eldr.progress import terminal_progress
     from eldr.replay.engine import replay, replay_steps
     from eldr.replay.whatif import ReplayConfig
@@ -431,7 +431,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     if isinstance(partition, str):
         return _fail("replay", partition)
     try:
-        cost = load_catalog(args.cost_profiles).get(args.cost_profile or DEFAULT_PROFILE_FOR_TRACES)
+        cost = load_catalog(args.deployments).get(args.deployment or DEFAULT_DEPLOYMENT_FOR_TRACES)
         named = (("tau", args.tau), ("load_measure", args.load_measure))
         params = [(k, v) for k, v in named if v is not None] + sorted(dict(args.param).items())
         config = ReplayConfig(
@@ -444,7 +444,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             default_duration_s=args.default_duration,
             max_listed=max(args.list, 0),
         )
-    except (ProfileError, ValueError, OSError) as exc:
+    except (DeploymentError, ValueError, OSError) as exc:
         return _fail("replay", str(exc))
     steps = replay_steps(event_log, config)
     with terminal_progress(steps, "eldr replay", unit="decision") as progress:
@@ -563,14 +563,14 @@ def format_report(report: ReplayReport, listed: int = 10) -> str:
             )
         effect = cf.modelled
         if effect is None:
-            lines.append("  modelled decode effect: no decode profiles in the window")
+            lines.append("  modelled decode effect: no decode summaries in the window")
         else:
             b, a = effect.before, effect.after
             geometry = f"{effect.num_moe_layers}x{effect.num_experts}"
             lines.append(
                 f"  modelled decode effect ({effect.profiled:,} of {effect.requests:,} requests "
-                f"with decode profiles, {geometry} experts, batches sampled every "
-                f"{effect.sample_s:.3g} s, cost profile {effect.cost_profile or '-'}):"
+                f"with decode summaries, {geometry} experts, batches sampled every "
+                f"{effect.sample_s:.3g} s, deployment {effect.cost_profile or '-'}):"
             )
             lines.append(
                 f"    expert union per MoE layer per step: {b.expert_union_per_layer:.3f} -> "
@@ -666,7 +666,7 @@ def plot_report(report: ReplayReport, path: Path) -> None:
             ax.set_title(f"modelled TPOT ({m.cost_profile})")
             ax.legend()
         else:
-            ax.text(0.5, 0.5, "no decode profiles: no modelled TPOT", ha="center", va="center")
+            ax.text(0.5, 0.5, "no decode summaries: no modelled TPOT", ha="center", va="center")
             ax.set_axis_off()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -678,11 +678,11 @@ def plot_report(report: ReplayReport, path: Path) -> None:
 
 
 async def _explain_from_nats(request_id: str, timeout_s: float) -> tuple[Any, Any, Any, str]:
-    """(decision or None, partition or None, profile or None, what was searched)."""
+    """(decision or None, partition or None, summary or None, what was searched)."""
     from eldr.bus import stream_name
     from eldr.bus.topology import DECISIONS
     from eldr.partitions.codec import partition_from_blob
-    from eldr.replay.source import fetch_decision, fetch_partition_version, fetch_profile
+    from eldr.replay.source import fetch_decision, fetch_partition_version, fetch_summary
 
     bus = await _connect("explain")
     try:
@@ -700,8 +700,8 @@ async def _explain_from_nats(request_id: str, timeout_s: float) -> tuple[Any, An
             blob = await fetch_partition_version(bus, decision.partition_version, timeout_s)
             if blob is not None:
                 partition = partition_from_blob(blob)
-        profile = await fetch_profile(bus, decision, timeout_s)
-        return decision, partition, profile, f"namespace {bus.subjects.namespace!r}"
+        summary = await fetch_summary(bus, decision, timeout_s)
+        return decision, partition, summary, f"namespace {bus.subjects.namespace!r}"
     finally:
         await bus.drain()
 
@@ -717,7 +717,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
             return _fail("explain", loaded)
         decision = loaded.decision(args.request_id)
         where = f"{args.file} ({len(loaded.decisions):,} decisions)"
-        partition = profile = None
+        partition = summary = None
         if decision is not None:
             blob = (
                 None
@@ -725,12 +725,12 @@ def _cmd_explain(args: argparse.Namespace) -> int:
                 else loaded.partition_blob(decision.partition_version)
             )
             partition = None if blob is None else partition_from_blob(blob)
-            profile = loaded.profiles.get(args.request_id)
+            summary = loaded.summaries.get(args.request_id)
     else:
         found = _run_nats("explain", _explain_from_nats(args.request_id, args.timeout))
         if found is None:
             return EXIT_ERROR
-        decision, partition, profile, where = found
+        decision, partition, summary, where = found
     if decision is None:
         return _fail(
             "explain", f"no decision recorded for request id {args.request_id!r} in {where}"
@@ -742,7 +742,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
             "assigned no worker (the requester had chosen one itself)."
         )
         return EXIT_OK
-    explanation = explain(decision, partition, profile)
+    explanation = explain(decision, partition, summary)
     if args.json:
         print(json.dumps(explanation.as_dict(), indent=2))
     else:

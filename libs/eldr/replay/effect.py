@@ -1,15 +1,15 @@
 """The modelled decode effect of a set of assignments: expected expert union per step and
 modelled TPOT, before and after a what-if.
 
-Where decode profiles were recorded, each worker's batch is sampled every `sample_s`
-seconds: the profiled requests in flight on it. A request's decode profile gives p[l, e] =
+Where decode summaries were recorded, each worker's batch is sampled every `sample_s`
+seconds: the profiled requests in flight on it. A request's decode summary gives p[l, e] =
 counts[l, e] / tokens, the chance that one of its tokens routes to expert e at MoE layer l;
 the expected number of distinct experts a step streams is sum over (l, e) of 1 - prod over
-the batch of (1 - p[l, e]) (tokens drawn independently from their requests' profiles:
+the batch of (1 - p[l, e]) (tokens drawn independently from their requests' summaries:
 `eldr.core.routing.activity.expected_union`, the one model of a batch's union that the
 router and the trainer's shadow gate use too). The cost model (`eldr.core.costmodel`) turns
 that union and the batch's KV tokens into a step time; a request's modelled TPOT is the mean
-step time of its worker over its lifetime. Requests without a profile are not in the
+step time of its worker over its lifetime. Requests without a summary are not in the
 modelled batches.
 """
 
@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from eldr.core.costmodel import CostProfile
+from eldr.core.costmodel import Deployment
 from eldr.core.routing.activity import expected_union
-from eldr.wire import Decision, DecodeProfile
+from eldr.wire import Decision, DecodeSummary
 
 MAX_SAMPLES = 4000
 """Upper bound on batch samples of the decode model (its cost is samples x workers)."""
@@ -53,7 +53,7 @@ class ModelledEffect:
     before: BatchSummary
     after: BatchSummary
     measured_tpot_p50_ms: float | None
-    """TPOT P50 the decode workers themselves measured (profiles' `tpot_s`), if any."""
+    """TPOT P50 the decode workers themselves measured (summaries' `tpot_s`), if any."""
     notes: list[str] = field(default_factory=list)
     tpot_before_ms: np.ndarray | None = field(default=None, repr=False)
     tpot_after_ms: np.ndarray | None = field(default=None, repr=False)
@@ -76,25 +76,25 @@ class ModelledEffect:
 
 def model_decode_effect(
     decisions: Sequence[Decision],
-    profiles: dict[str, DecodeProfile],
+    summaries: dict[str, DecodeSummary],
     before: Sequence[str],
     after: Sequence[str],
-    cost: CostProfile | None,
+    cost: Deployment | None,
     sample_s: float | None = None,
 ) -> ModelledEffect:
     """Expected expert union per step and modelled TPOT, before and after (module doc)."""
     notes: list[str] = []
     items = [
-        (i, d, profiles[d.request_id])
+        (i, d, summaries[d.request_id])
         for i, d in enumerate(decisions)
-        if d.request_id in profiles
-        and profiles[d.request_id].tokens > 0
-        and profiles[d.request_id].ts_s > d.ts_s
+        if d.request_id in summaries
+        and summaries[d.request_id].tokens > 0
+        and summaries[d.request_id].ts_s > d.ts_s
     ]
     shapes = Counter(tuple(p.counts.shape) for _, _, p in items)
     if len(shapes) > 1:
         shape, _ = shapes.most_common(1)[0]
-        notes.append(f"profiles of {len(shapes)} geometries: only {shape[0]}x{shape[1]} modelled")
+        notes.append(f"summaries of {len(shapes)} geometries: only {shape[0]}x{shape[1]} modelled")
         items = [x for x in items if tuple(x[2].counts.shape) == shape]
     if not items:
         empty = BatchSummary(0.0, 0.0, None, None, None)
@@ -121,9 +121,9 @@ def model_decode_effect(
         cost.model.num_moe_layers != n_layers or cost.model.num_experts != n_experts
     ):
         notes.append(
-            f"cost profile {cost.name} is for {cost.model.num_moe_layers}x"
-            f"{cost.model.num_experts} experts, the profiles have {n_layers}x{n_experts}: "
-            "unions are counted in the profiles' geometry, bytes per expert are the profile's"
+            f"deployment {cost.name} is for {cost.model.num_moe_layers}x"
+            f"{cost.model.num_experts} experts, the summaries have {n_layers}x{n_experts}: "
+            "unions are counted in the summaries' geometry, bytes per expert are the deployment's"
         )
     sides = []
     for assignment in (before, after):
@@ -184,7 +184,7 @@ def _model_side(
     n_cells: int,
     n_layers: int,
     grid: np.ndarray,
-    cost: CostProfile | None,
+    cost: Deployment | None,
 ) -> tuple[BatchSummary, np.ndarray | None]:
     n = len(starts)
     step_sum = np.zeros(n)

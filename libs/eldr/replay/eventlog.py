@@ -4,7 +4,7 @@ An event log is everything a replay needs to rebuild a router's inputs at any mo
 window of traffic: the routers' `Decision`s (each carries the loads it saw, its signature,
 its partition version and the seed of its draws), the decode workers' `LoadReport`s, the
 trainer's `PartitionAnnouncement`s with the `PartitionBlob`s they name, and the workers'
-`DecodeProfile`s and the gateways' `RequestFinished` events (when each request ended). It
+`DecodeSummary`s and the gateways' `RequestFinished` events (when each request ended). It
 does not care where the events came from: JetStream
 (`eldr.replay.source.read_events`) or a file (`read_event_file`). Events are ordered by their
 own timestamps (the producer's clock: `ts_s`, or `created_ts_s` for announcements), which
@@ -45,7 +45,7 @@ from eldr import __version__
 from eldr.bus.topology import DECISIONS, FINISHED, LOAD, PARTITIONS, PROFILES
 from eldr.wire import (
     Decision,
-    DecodeProfile,
+    DecodeSummary,
     LoadReport,
     Message,
     PartitionAnnouncement,
@@ -56,7 +56,7 @@ from eldr.wire import (
     encode,
 )
 
-EventMessage = Decision | LoadReport | DecodeProfile | PartitionAnnouncement | RequestFinished
+EventMessage = Decision | LoadReport | DecodeSummary | PartitionAnnouncement | RequestFinished
 
 STREAMS: tuple[str, ...] = (PARTITIONS, LOAD, DECISIONS, PROFILES, FINISHED)
 """Streams an event log reads, in the order events of equal timestamps are sorted: a
@@ -66,7 +66,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     PARTITIONS: PartitionAnnouncement,
     LOAD: LoadReport,
     DECISIONS: Decision,
-    PROFILES: DecodeProfile,
+    PROFILES: DecodeSummary,
     FINISHED: RequestFinished,
 }
 """The message type each stream records."""
@@ -212,11 +212,11 @@ class EventLog:
         # Expired records assigned no worker: nothing to replay, explain says so.
         self._decisions = [d for d in records if d.assigned]
         self._expired = [d for d in records if not d.assigned]
-        self._profiles: dict[str, DecodeProfile] = {}
+        self._summaries: dict[str, DecodeSummary] = {}
         self._finishes: dict[str, RequestFinished] = {}
         for e in self.events:
-            if isinstance(e.message, DecodeProfile):
-                self._profiles[e.message.request_id] = e.message
+            if isinstance(e.message, DecodeSummary):
+                self._summaries[e.message.request_id] = e.message
             elif isinstance(e.message, RequestFinished) and e.message.reason != "moved":
                 self._finishes.setdefault(e.message.request_id, e.message)
         self._announcements = [
@@ -256,9 +256,9 @@ class EventLog:
         return self._by_request.get(request_id)
 
     @property
-    def profiles(self) -> dict[str, DecodeProfile]:
-        """Decode profiles by request id."""
-        return self._profiles
+    def summaries(self) -> dict[str, DecodeSummary]:
+        """Decode summaries by request id."""
+        return self._summaries
 
     @property
     def finishes(self) -> dict[str, RequestFinished]:
@@ -619,7 +619,7 @@ def _decode_event(record: EventRecord, path: str, index: int, offset: int) -> Ev
         ) from exc
     assert isinstance(
         message,
-        Decision | LoadReport | DecodeProfile | PartitionAnnouncement | RequestFinished,
+        Decision | LoadReport | DecodeSummary | PartitionAnnouncement | RequestFinished,
     )
     return Event.of(
         message,

@@ -1,7 +1,7 @@
 """One routing decision in plain words (`eldr explain`).
 
 From a recorded `Decision` (and, when available, the partition version it used and the
-request's decode profile): the candidates with their scores and loads, why the locality
+request's decode summary): the candidates with their scores and loads, why the locality
 band held the workers it held (best score, tau, the widening rule), why the winner won
 (least load in the band, and how a tie was broken), what a load-only router (JSQ on the
 same loads) would have chosen, any fallback and its reason, and whether replaying the
@@ -36,7 +36,7 @@ from eldr.core.routing.profile import (
 from eldr.replay.eventlog import format_ts
 from eldr.replay.inputs import least_loaded_candidates, recorded_fleet, recorded_profile
 from eldr.replay.reproduction import Reproduction, reproduce_decision
-from eldr.wire import Decision, DecodeProfile
+from eldr.wire import Decision, DecodeSummary
 
 LOAD_UNITS = {"requests": "in-flight requests", "kv_tokens": "KV tokens"}
 
@@ -171,10 +171,10 @@ def _fmt(load: float, unit: str) -> str:
 def explain(
     d: Decision,
     partition: Partition | None = None,
-    profile: DecodeProfile | None = None,
+    summary: DecodeSummary | None = None,
 ) -> Explanation:
     """Explain `d`. `partition`: the version `d` used (lets every candidate's score be
-    recomputed and the decision be replayed); `profile`: the request's decode profile."""
+    recomputed and the decision be replayed); `summary`: the request's decode summary."""
     routing = recorded_profile(d)
     workers, in_flight, kv = recorded_fleet(d)
     measure = "requests" if routing is None else routing.measure
@@ -271,7 +271,7 @@ def explain(
         fallback=d.fallback,
         fallback_reason=fallback_reason,
         replay=_replay(d, routing, usable, rerun),
-        decode=_decode(d, profile),
+        decode=_decode(d, summary),
         rng_seed=d.rng_seed,
     )
 
@@ -500,12 +500,12 @@ def _replay(
     return f"{result.status}: {result.detail}."
 
 
-def _decode(d: Decision, profile: DecodeProfile | None) -> str:
-    if profile is None:
-        return "no decode profile recorded for this request."
-    tpot = "" if profile.tpot_s is None else f", TPOT {profile.tpot_s * 1e3:.2f} ms"
-    duration = profile.ts_s - d.ts_s
+def _decode(d: Decision, summary: DecodeSummary | None) -> str:
+    if summary is None:
+        return "no decode summary recorded for this request."
+    tpot = "" if summary.tpot_s is None else f", TPOT {summary.tpot_s * 1e3:.2f} ms"
+    duration = summary.ts_s - d.ts_s
     return (
-        f"decoded {profile.tokens:,} tokens on {profile.worker_id}{tpot}; finished "
+        f"decoded {summary.tokens:,} tokens on {summary.worker_id}{tpot}; finished "
         f"{duration:.2f} s after the decision."
     )

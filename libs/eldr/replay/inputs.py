@@ -19,7 +19,7 @@ from eldr.core.routing.decide import SIGNATURE_FALLBACKS, RouteRequest, request_
 from eldr.core.routing.profile import ProfileBase
 from eldr.partitions.codec import partition_from_blob
 from eldr.replay.eventlog import EventLog
-from eldr.wire import Decision, DecodeProfile
+from eldr.wire import Decision, DecodeSummary
 
 ACTIVITY_TTL_S = DEFAULT_TTL_S
 """How long a request without a recorded finish stays in a rebuilt activity table (the
@@ -174,19 +174,19 @@ class PartitionCache:
         return self._cache[version]
 
 
-def _profile_end(d: Decision, profile: DecodeProfile | None) -> float | None:
-    if profile is None or profile.ts_s <= d.ts_s:
+def _summary_end(d: Decision, summary: DecodeSummary | None) -> float | None:
+    if summary is None or summary.ts_s <= d.ts_s:
         return None
-    return profile.ts_s
+    return summary.ts_s
 
 
 def request_end(d: Decision, log: EventLog) -> float | None:
-    """When the request stopped loading its worker: the earlier of its decode profile and
+    """When the request stopped loading its worker: the earlier of its decode summary and
     its final finish event (whichever was recorded, after its decision), else None."""
     ends = [
         t
         for t in (
-            _profile_end(d, log.profiles.get(d.request_id)),
+            _summary_end(d, log.summaries.get(d.request_id)),
             getattr(log.finishes.get(d.request_id), "ts_s", None),
         )
         if t is not None and t > d.ts_s
@@ -197,7 +197,7 @@ def request_end(d: Decision, log: EventLog) -> float | None:
 def request_ends(
     decisions: Sequence[Decision], log: EventLog, default_s: float | None
 ) -> list[float | None]:
-    """When each request stopped loading its worker (`request_end`: its decode profile or
+    """When each request stopped loading its worker (`request_end`: its decode summary or
     finish event), else `default_s` after its decision (None: unknown)."""
     out: list[float | None] = []
     for d in decisions:
@@ -210,7 +210,7 @@ def request_ends(
 
 class ActivityTrack:
     """An activity table rebuilt from decisions: a request enters at its decision and
-    leaves at its end (decode profile), or after ACTIVITY_TTL_S like in the router."""
+    leaves at its end (decode summary), or after ACTIVITY_TTL_S like in the router."""
 
     def __init__(self, ends: Sequence[float | None]) -> None:
         self.table = ActivityTable(ttl_s=ACTIVITY_TTL_S)

@@ -14,7 +14,7 @@ least load is then counted as `tie_unrecorded`, not as a mismatch. Cost-aware po
 (`Policy.uses_activity`, "eldr_cost") also read the router's activity table (the experts
 each worker's in-flight requests are predicted to activate), which a decision does not
 record: the replay rebuilds it from the window's decisions (a request enters at its
-decision) and decode profiles (it leaves when its profile was recorded). The router saw
+decision) and decode summaries (it leaves when its profile was recorded). The router saw
 other replicas' decisions and the profiles a little later than that, and requests decided
 before the window are missing, so such decisions are reproduced on approximate inputs and
 counted apart (`approximate`, `approximate_mismatched`).

@@ -5,9 +5,9 @@ or the newest N) and then what a replay needs around it:
 
 - LOAD: the load reports stored from `load_margin_s` before the first decision to the last
   one (LOAD keeps only minutes: older windows come without them, and the log says so);
-- PROFILES and FINISHED: the decode profiles and the gateways' finish events of the
+- PROFILES and FINISHED: the decode summaries and the gateways' finish events of the
   window's requests, stored from `load_margin_s` before the first decision (an import
-  stores events nearly at once, in any order) up to `profile_lag_s` after the last
+  stores events nearly at once, in any order) up to `summary_lag_s` after the last
   (decoding finishes after routing);
 - PARTITIONS: every announcement the stream keeps, and from bucket `{ns}-partitions` the
   blobs of the versions the decisions used, the versions announced during the window and
@@ -51,7 +51,7 @@ from eldr.replay.eventlog import MESSAGE_TYPES, STREAMS, Event, EventLog, EventM
 from eldr.settings import RetentionSettings
 from eldr.wire import (
     Decision,
-    DecodeProfile,
+    DecodeSummary,
     LoadReport,
     Message,
     PartitionAnnouncement,
@@ -66,7 +66,7 @@ log = logging.getLogger(__name__)
 DEFAULT_LOAD_MARGIN_S = 5.0
 """Load reports read before the first decision (a router forgets a worker silent for
 `stale_after_s`, 3 s by default)."""
-DEFAULT_PROFILE_LAG_S = 900.0
+DEFAULT_SUMMARY_LAG_S = 900.0
 DEFAULT_TIMEOUT_S = 300.0
 IMPORT_CONCURRENCY = 256
 
@@ -147,7 +147,7 @@ async def _read_stream(
             return
         assert isinstance(
             message,
-            Decision | LoadReport | DecodeProfile | PartitionAnnouncement | RequestFinished,
+            Decision | LoadReport | DecodeSummary | PartitionAnnouncement | RequestFinished,
         )
         if stop(message, delivery):
             finished.set()
@@ -250,7 +250,7 @@ async def read_events(
     load_reports: bool = True,
     profiles: bool = True,
     load_margin_s: float = DEFAULT_LOAD_MARGIN_S,
-    profile_lag_s: float = DEFAULT_PROFILE_LAG_S,
+    summary_lag_s: float = DEFAULT_SUMMARY_LAG_S,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     undecodable: UndecodableRecords | None = None,
 ) -> EventLog:
@@ -298,13 +298,13 @@ async def read_events(
     if t0 is not None and t1 is not None and profiles:
         wanted = {e.message.request_id for e in decisions if isinstance(e.message, Decision)}
         found: set[str] = set()
-        horizon = t1 + profile_lag_s
+        horizon = t1 + summary_lag_s
 
         def past_horizon(_m: EventMessage, d: Delivery) -> bool:
             return (d.timestamp_s or 0.0) > horizon
 
         def ours(m: EventMessage, _d: Delivery) -> bool:
-            if isinstance(m, DecodeProfile) and m.request_id in wanted:
+            if isinstance(m, DecodeSummary) and m.request_id in wanted:
                 found.add(m.request_id)
                 return True
             return False
@@ -427,17 +427,17 @@ async def fetch_decision(bus: Bus, request_id: str) -> Decision | None:
         ) from exc
 
 
-async def fetch_profile(bus: Bus, decision: Decision, timeout_s: float) -> DecodeProfile | None:
-    """The decode profile of a decided request, searched on its worker's subject from the
+async def fetch_summary(bus: Bus, decision: Decision, timeout_s: float) -> DecodeSummary | None:
+    """The decode summary of a decided request, searched on its worker's subject from the
     decision's time on (profiles are not indexed by request id)."""
-    found: list[DecodeProfile] = []
-    horizon = decision.ts_s + DEFAULT_PROFILE_LAG_S
+    found: list[DecodeSummary] = []
+    horizon = decision.ts_s + DEFAULT_SUMMARY_LAG_S
 
     def too_late(_m: EventMessage, d: Delivery) -> bool:
         return (d.timestamp_s or 0.0) > horizon
 
     def ours(m: EventMessage, _d: Delivery) -> bool:
-        if isinstance(m, DecodeProfile) and m.request_id == decision.request_id:
+        if isinstance(m, DecodeSummary) and m.request_id == decision.request_id:
             found.append(m)
             return True
         return False
@@ -494,7 +494,7 @@ async def import_events(
                     m,
                     msg_id=f"load-{m.worker_id}-{m.incarnation}-{m.seq}",
                 )
-            elif isinstance(m, DecodeProfile):
+            elif isinstance(m, DecodeSummary):
                 ack = await bus.js_publish(
                     subjects.profiles(m.worker_id), m, msg_id=f"profile-{m.request_id}"
                 )

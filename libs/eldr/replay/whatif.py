@@ -6,12 +6,12 @@ Loads then change as decisions change; the load model is a correction of what th
 saw: a worker's load at a decision = the load recorded in that decision + the requests the
 replay sent it that are still in flight - the requests the recording sent it that are
 still in flight, counting only requests whose worker changed. A request is in flight from
-its decision until its decode profile was recorded (the median profiled duration, or
+its decision until its decode summary was recorded (the median profiled duration, or
 `default_duration_s`, when it has none); its KV load is its prompt plus the tokens decoded
 so far (linear over its lifetime). Everything that did not change keeps its recorded
 effect, including requests decided before the window. Each decision keeps its recorded
 seed, so ties are broken by the same draws. A cost-aware policy's activity table is
-rebuilt from the replay's own assignments over the same lifetimes. Where decode profiles
+rebuilt from the replay's own assignments over the same lifetimes. Where decode summaries
 were recorded, the effect on the decode batches is modelled (`eldr.replay.effect`).
 """
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from eldr.core.costmodel import CostProfile
+from eldr.core.costmodel import Deployment
 from eldr.core.partition.partition import Partition
 from eldr.core.routing.decide import DecisionRng, activity_for, route
 from eldr.core.routing.pipeline import Policy, make_policy
@@ -44,7 +44,7 @@ from eldr.replay.inputs import (
 from eldr.wire import Decision
 
 DEFAULT_DURATION_S = 10.0
-"""In-flight time of a request without a decode profile when no request has one."""
+"""In-flight time of a request without a decode summary when no request has one."""
 
 
 @dataclass
@@ -104,11 +104,11 @@ class ReplayConfig:
     partition: Partition | None = None
     """Route every decision with this partition instead of the recorded version."""
     index_method: str = "auto"
-    cost: CostProfile | None = None
+    cost: Deployment | None = None
     sample_s: float | None = None
     """Batch sampling step of the decode model; None = automatic."""
     default_duration_s: float | None = None
-    """In-flight time of requests without a decode profile; None = median of the profiled."""
+    """In-flight time of requests without a decode summary; None = median of the profiled."""
     max_listed: int = 20
 
     def __post_init__(self) -> None:
@@ -157,7 +157,7 @@ class WhatIf:
     def run(self) -> CounterfactualReport:
         cfg = self.config
         decisions = self.log.decisions
-        profiles = self.log.profiles
+        summaries = self.log.summaries
         default_duration_s = self._durations()
         ends = [request_end(d, self.log) or d.ts_s + default_duration_s for d in decisions]
         active: list[int] = []  # decisions whose worker changed and that are in flight
@@ -254,9 +254,9 @@ class WhatIf:
                     )
         before_workers = [d.worker_id for d in decisions]
         modelled = None
-        if any(d.request_id in profiles for d in decisions):
+        if any(d.request_id in summaries for d in decisions):
             modelled = model_decode_effect(
-                decisions, profiles, before_workers, after, cfg.cost, cfg.sample_s
+                decisions, summaries, before_workers, after, cfg.cost, cfg.sample_s
             )
         return CounterfactualReport(
             changes=self._changes(),
@@ -284,13 +284,13 @@ class WhatIf:
                 None
                 if track is None
                 else "rebuilt from the replay's own assignments: a request counts on its "
-                "replayed worker from its decision until its decode profile or finish event "
+                "replayed worker from its decision until its decode summary or finish event "
                 f"(else {ACTIVITY_TTL_S:g} s); requests decided before the window are missing"
             ),
             candidates_only=candidates_only,
             load_model=(
                 "recorded load of each decision, corrected by the in-flight requests whose "
-                f"worker changed (in flight from decision to decode profile; "
+                f"worker changed (in flight from decision to decode summary; "
                 f"{default_duration_s:.3g} s without a profile)"
             ),
             changed_at_s=changed_at,
@@ -345,10 +345,10 @@ class WhatIf:
         return np.maximum(in_flight + d_req, 0), np.maximum(kv + d_kv, 0)
 
     def _kv_tokens(self, d: Decision, t: float, end: float) -> int:
-        profile = self.log.profiles.get(d.request_id)
+        summary = self.log.summaries.get(d.request_id)
         decoded = 0.0
-        if profile is not None and end > d.ts_s:
-            decoded = profile.tokens * min(max((t - d.ts_s) / (end - d.ts_s), 0.0), 1.0)
+        if summary is not None and end > d.ts_s:
+            decoded = summary.tokens * min(max((t - d.ts_s) / (end - d.ts_s), 0.0), 1.0)
         return int((d.prompt_tokens or 0) + decoded)
 
     def _needs_blob(self, d: Decision) -> bool:

@@ -46,7 +46,7 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from eldr.core.costmodel import CostProfile
+from eldr.core.costmodel import Deployment
 from eldr.core.routing.activity import ActivityInput, ActivityTable, ExpertDemand
 from eldr.core.routing.decide import activity_for, decide_view
 from eldr.core.routing.loadtable import Report
@@ -287,7 +287,7 @@ def simulate(
     requests: list[SimRequest],
     arrival_requests: np.ndarray,
     policy: Policy,
-    cost: CostProfile,
+    cost: Deployment,
     config: SimConfig,
     *,
     num_moe_layers: int,
@@ -383,7 +383,7 @@ def _arrival_times(config: SimConfig, given: np.ndarray | None) -> np.ndarray:
 
 def _decode_workers(
     worker_ids: tuple[str, ...],
-    cost: CostProfile,
+    cost: Deployment,
     config: SimConfig,
     num_moe_layers: int,
     union_slots: int,
@@ -544,7 +544,7 @@ class _Run:
         arrival_requests: np.ndarray,
         arrival_s: np.ndarray,
         policy: Policy,
-        cost: CostProfile,
+        cost: Deployment,
         config: SimConfig,
         *,
         num_moe_layers: int,

@@ -1,4 +1,4 @@
-"""Trace replayer: a simulated prefill worker plus gateway, driving the pipeline over NATS.
+"""Trace driver: a simulated prefill worker plus gateway, driving the pipeline over NATS.
 
 For each request it does what a prefill worker and the gateway in front of it would do, with
 the same role code: the prefill producer (`eldr.roles.prefill.PrefillProducer`: batches,
@@ -9,12 +9,12 @@ job to a simulated decode worker:
 
 1. Cut the prompt into KV blocks (`eldr.core.signature.blocks.summarize_blocks`, with the
    trace's own token ids or deterministic stand-ins) and publish a `BlockSummaryBatch` on
-   `{ns}.blocks.{prefill_worker}` holding only the full blocks this replayer has not
+   `{ns}.blocks.{prefill_worker}` holding only the full blocks this driver has not
    published before. The set of published hashes plays the prefill worker's prefix cache:
    a cached block is not recomputed, so its summary is not published again, and the
    signature service must supply it from its own cache.
 2. Publish `PrefillDone` on `{ns}.prefill.done.{prefill_worker}` with the block hashes, the
-   trailing partial block's counts and a `reply_to` inbox this replayer listens on; and,
+   trailing partial block's counts and a `reply_to` inbox this driver listens on; and,
    as the capture plugin does, the whole prompt's `signature` when it holds its own
    summary of every cached block (`local_signatures`), else the counts of what it
    computed (`computed`), leaving the cached blocks to the signature service.
@@ -23,12 +23,12 @@ job to a simulated decode worker:
    the DECISIONS stream instead: the router may have decided while the reply was lost).
 4. Send a `DecodeJob` to the chosen simulated decode worker (`{ns}.sim.decode.{worker}`),
    retrying once when nobody answered in time.
-5. When the worker says the request's decode ended (`DecodeJobDone` on this replayer's
+5. When the worker says the request's decode ended (`DecodeJobDone` on this driver's
    done inbox: the simulated end of the response stream), publish the same
    `RequestFinished` event a real gateway publishes on `{ns}.finished.{prefill worker}`;
    a request that got no decision or whose job was refused ends in one with reason
    "error". So the routers' and the trainer's bookkeeping gets the finish signal it gets
-   in production, whether or not the simulated workers publish decode profiles.
+   in production, whether or not the simulated workers publish decode summaries.
 
 It records per request the PrefillDone-publish -> Decision latency (monotonic clock), the
 chosen worker and any error, and summarises a run. Arrivals are Poisson at a given rate
@@ -79,7 +79,7 @@ _STOP_CHECK_S = 0.05
 
 
 @dataclass(frozen=True)
-class ReplayConfig:
+class TrafficConfig:
     prefill_worker: str = "prefill-0"
     """Subject token of the simulated prefill worker (blocks and prefill-done subjects)."""
     model: str = "sim"
@@ -164,7 +164,7 @@ class RequestRecord:
 
 
 @dataclass(frozen=True)
-class ReplaySummary:
+class TrafficSummary:
     sent: int
     """PrefillDone events published."""
     decided: int
@@ -219,19 +219,19 @@ class _RunState:
     records: list[RequestRecord] = field(default_factory=list)
 
 
-class TraceReplayer:
+class TrafficDriver:
     """Replays a TraceSet through the pipeline (see the module docstring).
 
-    Use as `async with TraceReplayer(bus, traces, config) as replayer: await
-    replayer.run(100)`; several runs may follow one another (not overlap).
+    Use as `async with TrafficDriver(bus, traces, config) as driver: await
+    driver.run(100)`; several runs may follow one another (not overlap).
     """
 
-    def __init__(self, bus: Bus, traces: TraceSet, config: ReplayConfig | None = None) -> None:
+    def __init__(self, bus: Bus, traces: TraceSet, config: TrafficConfig | None = None) -> None:
         if len(traces) == 0:
             raise ValueError("no traces to replay")
         self.bus = bus
         self.traces = traces
-        self.config = config or ReplayConfig()
+        self.config = config or TrafficConfig()
         self.inbox = bus.new_inbox()
         self.done_inbox = bus.new_inbox()
         """Where simulated decode workers say a job's decode ended (`DecodeJobDone`)."""
@@ -289,7 +289,7 @@ class TraceReplayer:
 
     async def wait_decoded(self, timeout_s: float) -> int:
         """Wait (up to `timeout_s`) until every job sent has said its decode ended, so its
-        finish event is published before the replayer closes; returns how many did not."""
+        finish event is published before the driver closes; returns how many did not."""
         await self._in_decode.wait_idle(timeout_s)
         return len(self._decoding)
 
@@ -305,7 +305,7 @@ class TraceReplayer:
                 await sub.stop()
         self._subscription = self._done_subscription = None
 
-    async def __aenter__(self) -> TraceReplayer:
+    async def __aenter__(self) -> TrafficDriver:
         await self.start()
         return self
 
@@ -322,7 +322,7 @@ class TraceReplayer:
 
     @property
     def duplicate_replies(self) -> int:
-        """Extra Decision replies seen on the inbox since the replayer was made."""
+        """Extra Decision replies seen on the inbox since the driver was made."""
         return self._duplicates
 
     @property
@@ -375,7 +375,7 @@ class TraceReplayer:
     def plan(self, count: int) -> tuple[np.ndarray, np.ndarray]:
         """The next `count` requests: (trace indices, start offsets in seconds).
 
-        Drawn from the replayer's seeded generator, so two replayers with the same seed
+        Drawn from the driver's seeded generator, so two drivers with the same seed
         plan the same requests (how a demo compares policies on identical traffic)."""
         indices = self._rng.integers(0, len(self.traces), size=count)
         rate = self.config.rate_per_s
@@ -390,7 +390,7 @@ class TraceReplayer:
 
     async def run(
         self, count: int, planned: tuple[np.ndarray, np.ndarray] | None = None
-    ) -> ReplaySummary:
+    ) -> TrafficSummary:
         """Replay `count` requests and summarise them (records in `self.records`).
 
         planned: their (trace indices, start offsets in seconds), drawn by the caller (the
@@ -674,7 +674,7 @@ class TraceReplayer:
         duplicates: int,
         conflicting: int,
         block_batches: int,
-    ) -> ReplaySummary:
+    ) -> TrafficSummary:
         latencies_ms = [
             r.decision_latency_s * 1e3 for r in records if r.decision_latency_s is not None
         ]
@@ -702,7 +702,7 @@ class TraceReplayer:
         def pct(q: float) -> float:
             return float(np.percentile(latencies_ms, q)) if latencies_ms else math.nan
 
-        return ReplaySummary(
+        return TrafficSummary(
             sent=sum(1 for r in records if r.sent),
             decided=len(decided),
             recovered=sum(1 for r in records if r.recovered),

@@ -35,7 +35,7 @@ from typing import Literal
 
 import numpy as np
 
-from eldr.core.costmodel import CostProfile
+from eldr.core.costmodel import Deployment
 from eldr.core.workload.trace import expert_counts
 
 MAX_TPOT_SAMPLES = 65_536
@@ -100,7 +100,7 @@ class DecodeTask:
     submitted_s: float
     label: str = ""
     decode_ids: np.ndarray | None = None
-    """int16 [decode_tokens, moe_layers, top_k] as received, for the decode profile (None:
+    """int16 [decode_tokens, moe_layers, top_k] as received, for the decode summary (None:
     the simulator's requests, flattened once for every arrival that replays them)."""
     decode_tokens: int = field(init=False)
     position: int = 0
@@ -151,7 +151,7 @@ class FinishedRequest:
     @property
     def decode_counts(self) -> np.ndarray:
         """int32 [moe_layers, num_experts]: decode expert counts over all generated tokens
-        (counted when asked: only a worker that publishes decode profiles needs them)."""
+        (counted when asked: only a worker that publishes decode summaries needs them)."""
         if self.decode_ids is None:
             raise ValueError(f"request {self.request_id} was queued without its decode ids")
         return expert_counts(self.decode_ids, self.num_experts)
@@ -180,7 +180,7 @@ class BatchingWorker:
     """Continuous batching of one decode worker (see the module docstring).
 
     num_experts: the model's experts per MoE layer; every expert id must lie below it, and
-    decode profiles are shaped [moe_layers, num_experts]. kv_capacity_tokens: None for no
+    decode summaries are shaped [moe_layers, num_experts]. kv_capacity_tokens: None for no
     limit. step_kv: what a step's KV term counts: "batch", the running requests' KV (what
     the attention reads; simdecode), or "held", all KV the worker holds, waiting and
     expected requests' prompts included (the discrete-event simulator's cost, on which its
@@ -190,7 +190,7 @@ class BatchingWorker:
     def __init__(
         self,
         worker_id: str,
-        cost: CostProfile,
+        cost: Deployment,
         *,
         num_experts: int,
         max_batch: int = 64,

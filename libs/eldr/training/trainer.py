@@ -1,7 +1,7 @@
 """Online refits of the partition: the trainer service's logic, without its process.
 
 `Trainer` keeps the training window (`eldr.core.training.trainwindow`) fed by routing decisions,
-decode profiles and load reports, decides when to refit, and runs a refit. The service
+decode summaries and load reports, decides when to refit, and runs a refit. The service
 (`eldr_services.trainer`) builds it from its settings, feeds it from the bus, runs the
 scheduling loop and records what the `TrainerObserver` hears as Prometheus metrics. The
 collaborators come in as arguments: the database (`TrainerDatabase`), the announcer
@@ -81,7 +81,7 @@ from eldr.store import migrate, repo
 from eldr.store.models import PartitionStatus
 from eldr.wire import (
     Decision,
-    DecodeProfile,
+    DecodeSummary,
     LoadReport,
     Message,
     PartitionAnnouncement,
@@ -130,9 +130,9 @@ class TrainerObserver(Protocol):
         """A decision or profile was taken or ignored (`outcome` says which and why)."""
 
     def window_changed(
-        self, with_profile: int, without_profile: int, finished_without_profile: int = 0
+        self, with_summary: int, without_summary: int, finished_without_summary: int = 0
     ) -> None:
-        """Requests in the training window now (and of those without a decode profile, how
+        """Requests in the training window now (and of those without a decode summary, how
         many have finished: their profile is not coming)."""
 
     def saw_live_workers(self, count: int) -> None:
@@ -372,9 +372,9 @@ class Trainer:
         self.observer.took_input("decision", outcome)
         self._report_window()
 
-    def add_profile(self, msg: DecodeProfile, ts_s: float | None) -> None:
-        """Join a decode profile to its request in the window."""
-        outcome = self.state.add_profile(
+    def add_summary(self, msg: DecodeSummary, ts_s: float | None) -> None:
+        """Join a decode summary to its request in the window."""
+        outcome = self.state.add_summary(
             msg.request_id, _sparse_row(msg.counts), ts_s or self.clock.time()
         )
         self.observer.took_input("profile", outcome)
@@ -409,9 +409,9 @@ class Trainer:
         return self.live.live(now_s)
 
     def _report_window(self) -> None:
-        with_profile = self.window.with_profile
+        with_summary = self.window.with_summary
         self.observer.window_changed(
-            with_profile, len(self.window) - with_profile, self.window.finished_without_profile
+            with_summary, len(self.window) - with_summary, self.window.finished_without_summary
         )
 
     # --- schedule --------------------------------------------------------------------------
@@ -521,13 +521,13 @@ class Trainer:
         report = result.report
         model = selection.snapshot.model
         moved = "n/a" if report.moved_share is None else f"{100 * report.moved_share:.1f}%"
-        unprofiled = self.window.finished_without_profile
+        unprofiled = self.window.finished_without_summary
         fitted = (
-            f"{report.n_train} requests ({result.n_with_profile} with decode profiles"
+            f"{report.n_train} requests ({result.n_with_summary} with decode summaries"
             + (
                 f"; {unprofiled} finished without one: is the capture plugin on the decode "
                 "instances (ELDR_VLLM_ROLE=decode)?"
-                if unprofiled and result.n_with_profile < self.config.min_profiled
+                if unprofiled and result.n_with_summary < self.config.min_profiled
                 else ""
             )
             + "), "

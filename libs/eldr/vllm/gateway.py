@@ -3,7 +3,7 @@
 
 - `response_sources`: one `ResponseSource` per prefill instance, when the gateway
   publishes the prefill's routing itself (the routed_experts source);
-- `CaptureStates`: what each prefill instance's capture plugin last said it can do, so that
+- `CaptureWatch`: what each prefill instance's capture plugin last said it can do, so that
   a request whose prefill cannot be captured is routed load-only at once
   (`unavailable_prefill_done`) instead of waiting for a decision that cannot come;
 - `response_outcome`, `StreamTally`: how every decode response ended (stop, length, client
@@ -68,7 +68,7 @@ class _Heard:
     at_s: float
 
 
-class CaptureStates:
+class CaptureWatch:
     """What each prefill instance's capture plugin last said (`CaptureStatus`).
 
     `problem(instance, now)` is None while the instance's prefill capture is "ok" and its
@@ -276,7 +276,7 @@ class UpstreamHealth:
 
 
 __all__ = [
-    "CaptureStates",
+    "CaptureWatch",
     "SseRelay",
     "StreamTally",
     "UpstreamHealth",

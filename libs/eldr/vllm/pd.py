@@ -372,7 +372,7 @@ def decode_body(
     request_id: str | None = None,
 ) -> dict:
     """The request for the decode instance: the client's, plus the prefill's KV handle
-    and (in `vllm_xargs`) the request id its decode profile is published under."""
+    and (in `vllm_xargs`) the request id its decode summary is published under."""
     out = dict(body)
     if kv_transfer_params is not None:
         out["kv_transfer_params"] = dict(kv_transfer_params)

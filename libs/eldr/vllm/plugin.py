@@ -29,15 +29,15 @@ Per step, what `ELDR_VLLM_ROLE` asks for:
   Requests carrying `kv_transfer_params.do_remote_prefill` (the decode side of a PD
   request) are not prefill-captured.
 - **decode** (and both): every request's decode rows (positions past its prompt) are
-  counted on the device per request (`eldr.vllm.decode_profiles`, no host sync per step)
+  counted on the device per request (`eldr.vllm.decode_summaries`, no host sync per step)
   and read back once when the engine finishes or aborts the request, then published as
-  its `DecodeProfile` on `{ns}.profiles.{worker}`.
+  its `DecodeSummary` on `{ns}.profiles.{worker}`.
 
 Fail loud: at load time the plugin checks the vLLM version (tested: 0.32.0; others need
 `ELDR_VLLM_ALLOW_UNTESTED=1`), the parallel layout (tensor parallel: the first rank
 captures, every rank routes the same tokens; pipeline and data parallel: refused), that
 every MoE layer's router was bound (against the model configuration's MoE layers) and
-that all share one geometry; decode profiles refuse speculative decoding (its rows include
+that all share one geometry; decode summaries refuse speculative decoding (its rows include
 rejected drafts). At run time a step whose rows fail the checks turns the capture "failed"
 for the life of the process. Whatever the state, the plugin says it: in the log once per
 change and in a `CaptureStatus` on `{ns}.capture.{worker}` at every change and every
@@ -78,7 +78,7 @@ from eldr.vllm.capture import (
     StepPlan,
     invalid_counts_reason,
 )
-from eldr.vllm.decode_profiles import DecodeProfiles
+from eldr.vllm.decode_summaries import DecodeSummaries
 from eldr.vllm.layout import LayoutError, RunnerGeneration, step_layout
 from eldr.vllm.moe_layers import moe_layer_ids
 from eldr.vllm.pd import (
@@ -91,7 +91,7 @@ from eldr.vllm.pd import (
 from eldr.vllm.prefill_counts import PendingCounts, SegmentCounter
 from eldr.vllm.publisher import BackgroundPublisher
 from eldr.vllm.settings import CaptureSettings
-from eldr.wire import CaptureStatus, DecodeProfile, PrefillDone, SparseCounts
+from eldr.wire import CaptureStatus, DecodeSummary, PrefillDone, SparseCounts
 from eldr.wire.messages import CaptureState as StateName
 
 log = logging.getLogger("vllm.eldr_capture")
@@ -159,7 +159,7 @@ def _vllm_version() -> str:
     return "?"
 
 
-class CaptureStates:
+class CaptureCapabilities:
     """The plugin's two capabilities and why they are what they are; says every change
     once in the log and asks the publisher to send the status at once."""
 
@@ -313,7 +313,7 @@ class CaptureHook:
         runner: Any,
         settings: CaptureSettings,
         publisher: BackgroundPublisher,
-        states: CaptureStates,
+        states: CaptureCapabilities,
         generation: RunnerGeneration,
     ) -> None:
         self.settings = settings
@@ -336,7 +336,7 @@ class CaptureHook:
         self._inflight: deque[tuple[StepPlan, PendingCounts, float, float]] = deque()
         """Steps whose counts are on their way to the host, in step order."""
         self._drainer = _Drainer(self)
-        self.decode: DecodeProfiles | None = None
+        self.decode: DecodeSummaries | None = None
         self.geometry: ModelGeometry | None = None
         self.in_step = False
         """Set while a wrapped execute_model runs (a nested call does not capture twice)."""
@@ -382,10 +382,10 @@ class CaptureHook:
                 device=runner.device,
             )
         if states.decode == "ok":
-            self._start_decode_profiles(runner, geometry)
+            self._start_decode_summaries(runner, geometry)
         log.info(
             "eldr capture on %s (%s, %s runner %s): %d MoE layers, %d experts, top-%d, block "
-            "size %d, model %s; prefill capture %s, decode profiles %s",
+            "size %d, model %s; prefill capture %s, decode summaries %s",
             settings.vllm_worker_id,
             settings.vllm_role,
             generation,
@@ -473,22 +473,22 @@ class CaptureHook:
     def _capture_fn(self, moe_index: int, top_k: int) -> Callable[[Any], None]:
         return capture_callback(self.buffer, moe_index, top_k, self.callback_errors)
 
-    def _start_decode_profiles(self, runner: Any, geometry: ModelGeometry) -> None:
+    def _start_decode_summaries(self, runner: Any, geometry: ModelGeometry) -> None:
         slots = self.settings.vllm_max_decode_requests or 2 * int(
             runner.scheduler_config.max_num_seqs
         )
         try:
-            self.decode = DecodeProfiles(
+            self.decode = DecodeSummaries(
                 geometry,
                 max_requests=slots,
                 max_rows=int(self.buffer.shape[0]),
                 device=runner.device,
             )
         except Exception as exc:  # any allocation failure refuses the role
-            self.states.fail("decode", f"cannot allocate decode profile counters: {exc}")
+            self.states.fail("decode", f"cannot allocate decode summary counters: {exc}")
             return
         log.info(
-            "eldr capture: decode profiles for up to %d requests at once (%.1f MB)",
+            "eldr capture: decode summaries for up to %d requests at once (%.1f MB)",
             slots,
             self.decode.nbytes / 1e6,
         )
@@ -591,7 +591,7 @@ class CaptureHook:
         if self.callback_errors:
             raise CaptureError(f"a capture callback failed: {self.callback_errors[0]}")
         if self.decode is not None:
-            self._publish_profiles()
+            self._publish_summaries()
         if not self._capture_rows:
             return
         self._capture_rows = False
@@ -667,12 +667,12 @@ class CaptureHook:
         self.prefill = None
         self.publisher.submit_messages(events)
 
-    def _publish_profiles(self) -> None:
+    def _publish_summaries(self) -> None:
         assert self.decode is not None
         ready = self.decode.ready()
         if not ready:
             return
-        out: list[DecodeProfile] = []
+        out: list[DecodeSummary] = []
         for profile in ready:
             if profile.invalid_rows:
                 self.states.steps_rejected += 1
@@ -684,7 +684,7 @@ class CaptureHook:
                 self.decode = None
                 return
             out.append(
-                DecodeProfile(
+                DecodeSummary(
                     request_id=profile.request_id,
                     worker_id=self.settings.vllm_worker_id,
                     ts_s=time.time(),
@@ -797,7 +797,7 @@ class _Plugin:
             status_interval_s=settings.vllm_status_interval_s,
         )
         self.publisher.on_error = self._publisher_failed
-        self.states: CaptureStates | None = None
+        self.states: CaptureCapabilities | None = None
 
     def _publisher_failed(self, reason: str) -> None:
         """An unexpected exception on the publisher's thread (what it could not publish
@@ -807,11 +807,11 @@ class _Plugin:
             self.states.errors += 1
             self.states.fail("both", f"the publisher raised {reason}")
 
-    def states_for_worker(self) -> CaptureStates:
+    def states_for_worker(self) -> CaptureCapabilities:
         """The states of this (worker) process, created on first use; starts the status
         heartbeat."""
         if self.states is None:
-            self.states = CaptureStates(self.settings, self.publisher)
+            self.states = CaptureCapabilities(self.settings, self.publisher)
             self.publisher.status_source = self.states.status
             self.publisher.start()
             atexit.register(self.publisher.close)  # publish what is queued at exit

@@ -1,13 +1,13 @@
 """Publish from inside an engine without ever blocking it.
 
 The engine's worker thread calls `BackgroundPublisher.submit(step_result)` (or
-`submit_messages` for decode profiles and load-only prefill events), which only puts the
+`submit_messages` for decode summaries and load-only prefill events), which only puts the
 messages in a bounded queue (a full queue drops them and counts it) and wakes a background
 thread. That thread owns an asyncio loop and one `Bus` connection (connected lazily,
 retried forever while the process lives) and publishes each item in order: a step's block
 batches on `{ns}.blocks.{worker}`, then its prefill-done events on
 `{ns}.prefill.done.{worker}` (JetStream, acked; `Nats-Msg-Id` = request id, so a retried
-publish is not stored twice); decode profiles on `{ns}.profiles.{worker}` (JetStream,
+publish is not stored twice); decode summaries on `{ns}.profiles.{worker}` (JetStream,
 `Nats-Msg-Id` = `profile-<request id>`). With a status source it also publishes the
 plugin's `CaptureStatus` on `{ns}.capture.{worker}` (core) every interval and whenever
 `status_changed()` is called. A publish that fails is logged and counted, never raised.
@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from eldr.bus import Bus, BusError
 from eldr.settings import BusSettings
 from eldr.vllm.capture import StepResult
-from eldr.wire import CaptureStatus, DecodeProfile, PrefillDone, WireError
+from eldr.wire import CaptureStatus, DecodeSummary, PrefillDone, WireError
 
-Outgoing = PrefillDone | DecodeProfile
+Outgoing = PrefillDone | DecodeSummary
 """Messages queued one by one (not as an engine step's batch)."""
 StatusSource = Callable[[], CaptureStatus | None]
 
@@ -52,7 +52,7 @@ class PublisherStats:
     """Steps dropped because the queue was full (NATS slow or unreachable)."""
     published_batches: int = 0
     published_done: int = 0
-    published_profiles: int = 0
+    published_summaries: int = 0
     published_statuses: int = 0
     failed: int = 0
     """Messages whose publish failed (logged)."""
@@ -104,7 +104,7 @@ class BackgroundPublisher:
         return self._put(result)
 
     def submit_messages(self, messages: Sequence[Outgoing]) -> bool:
-        """Queue prefill-done events or decode profiles; False (counted) when full."""
+        """Queue prefill-done events or decode summaries; False (counted) when full."""
         if not messages:
             return True
         return self._put(tuple(messages))
@@ -303,7 +303,7 @@ class BackgroundPublisher:
                         message,
                         msg_id=f"profile-{message.request_id}",
                     )
-                    self.stats.published_profiles += 1
+                    self.stats.published_summaries += 1
             except (BusError, WireError) as exc:
                 self.stats.failed += 1
                 log.warning(

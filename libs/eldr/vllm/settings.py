@@ -20,7 +20,7 @@ def _default_worker_id() -> str:
 
 class CaptureSettings(BusSettings, BlockHashSettings):
     """The plugin loads in every vLLM process; it does nothing unless `vllm_capture` is on
-    (on prefill instances for signatures, on decode instances for decode profiles)."""
+    (on prefill instances for signatures, on decode instances for decode summaries)."""
 
     vllm_capture: bool = Field(
         default=False,
@@ -30,7 +30,7 @@ class CaptureSettings(BusSettings, BlockHashSettings):
     vllm_role: Literal["prefill", "decode", "both"] = Field(
         default="prefill",
         description="prefill: publish block summaries and PrefillDone for the prompts this "
-        "instance computes; decode: publish a DecodeProfile for every request it decodes; "
+        "instance computes; decode: publish a DecodeSummary for every request it decodes; "
         "both: an instance serving whole requests.",
     )
     vllm_worker_id: str = Field(
@@ -55,7 +55,7 @@ class CaptureSettings(BusSettings, BlockHashSettings):
     vllm_max_decode_requests: int | None = Field(
         default=None,
         ge=1,
-        description="Requests whose decode profile is counted at once (device memory: this "
+        description="Requests whose decode summary is counted at once (device memory: this "
         "x MoE layers x (experts + 1) x 4 bytes, twice with pinned host staging on GPUs); "
         "default twice vLLM's --max-num-seqs.",
     )

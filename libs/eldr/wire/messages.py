@@ -540,7 +540,10 @@ class LoadReport(Message, frozen=True, tag="load_report"):
         require(self.worker_id != NO_WORKER, f"{NO_WORKER!r} is not a worker id")
 
 
-class DecodeProfile(Message, frozen=True, tag="decode_profile"):
+# The wire keeps the older word: the tag "decode_profile", the subjects
+# `{ns}.profiles.*`, the PROFILES stream, its metrics and ELDR_PROFILES_* settings are
+# external names, and recorded logs and golden files must still decode.
+class DecodeSummary(Message, frozen=True, tag="decode_profile"):
     """Decode-side expert counts of a finished request, on `{ns}.profiles.{worker_id}`."""
 
     request_id: Ident
@@ -562,7 +565,7 @@ class RequestFinished(Message, frozen=True, kw_only=True, tag="request_finished"
     request the gateway sent to a decode worker ends in exactly one event with a final
     reason (stop, length, abort, error); a request moved to another worker before it
     started there adds one "moved" event per move. Routers drop the request from their
-    load and activity tables, the trainer marks it finished; a decode profile is not
+    load and activity tables, the trainer marks it finished; a decode summary is not
     needed for either.
     """
 
@@ -616,7 +619,7 @@ class CaptureStatus(Message, frozen=True, kw_only=True, tag="capture_status"):
     prefill_capture: CaptureState
     """Block summaries and PrefillDone for the prompts this engine computes."""
     decode_profiles: CaptureState
-    """DecodeProfile for the requests this engine decodes."""
+    """DecodeSummary for the requests this engine decodes."""
     reason: Text | None = None
     """Why a state is "failed" (or why it is "off"), in words."""
     model: Ident | None = None
@@ -900,7 +903,7 @@ ALL_MESSAGE_TYPES: tuple[type[Message], ...] = (
     AssembleReply,
     Decision,
     LoadReport,
-    DecodeProfile,
+    DecodeSummary,
     RequestFinished,
     CaptureStatus,
     PartitionAnnouncement,

@@ -506,7 +506,7 @@ def _calibrate(
     min_profiled: int,
     notes: list[str],
 ) -> tuple[Calibration, CalibrationReport]:
-    """IDF on every request; the layer mask on the requests with a decode profile."""
+    """IDF on every request; the layer mask on the requests with a decode summary."""
     rng = np.random.default_rng([seed, 11])
     if decode is None:
         return fit_calibration(
@@ -519,11 +519,11 @@ def _calibrate(
         )
     n_profiled = int(profiled.sum())
     if n_profiled < max(min_profiled, 2):
-        notes.append(f"{n_profiled} request(s) with a decode profile: every layer kept")
+        notes.append(f"{n_profiled} request(s) with a decode summary: every layer kept")
         return fit_calibration(
             prefill, None, geometry, transform=transform, layer_selection="all", rng=rng
         )
-    notes.append(f"layer mask selected on the {n_profiled} request(s) with a decode profile")
+    notes.append(f"layer mask selected on the {n_profiled} request(s) with a decode summary")
     subset, report = fit_calibration(
         prefill[profiled],
         decode[profiled],

@@ -22,7 +22,7 @@ Two pieces, both pure:
 What the live system provides: the router sees every decision of every replica (with the
 request's prefill counts) on the decisions stream, and learns that a request left its
 worker from the gateway's `RequestFinished` event (every request, capture or not) or from
-its decode profile (only where the capture plugin runs on the decode instance). Finishes
+its decode summary (only where the capture plugin runs on the decode instance). Finishes
 arrive a little late (after the last token reached the gateway), so the table slightly
 over-counts a worker's batch; the prediction from prefill counts is what is used here, in
 the simulator and in the router alike.

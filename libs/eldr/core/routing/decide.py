@@ -27,7 +27,7 @@ give it traffic until the trainer refits for the new worker set.
 Cost-aware policies (`Policy.uses_activity`, e.g. "eldr_cost") also see, per worker, the
 experts its in-flight requests are predicted to activate (`RouterCore.activity`, fed by
 `note_assignment` for every replica's decisions and `note_finished` for the gateway's
-finish events and decode profiles); `route` takes that view as `expert_miss`. The table
+finish events and decode summaries); `route` takes that view as `expert_miss`. The table
 is bounded per worker by what the load table says is in flight there
 (`bound_activity`), so a finish that is never seen cannot make an entry live forever.
 
@@ -587,7 +587,7 @@ class RouterCore:
         self._decided_demands.pop(request_id, None)
 
     def note_finished(self, request_id: str, now_s: float) -> bool:
-        """A request left its decode worker (finish event or decode profile): it no
+        """A request left its decode worker (finish event or decode summary): it no
         longer loads that worker's steps or queue. True if it was tracked anywhere."""
         pending = self.table.on_finished(request_id, now_s)
         active = self.activity.finish(request_id)

@@ -126,7 +126,7 @@ def greedy_layer_mask(
     moe_layer_ids: tuple[int, ...] | None = None,
     weights: np.ndarray | None = None,
 ) -> tuple[np.ndarray, list[GreedyStep], int]:
-    """Forward-greedy MoE layer selection against decode profiles.
+    """Forward-greedy MoE layer selection against decode summaries.
 
     prefill_counts: [N, L*E] prefill counts; weights: optional [L*E] per-entry factors
     applied to them first (the IDF for the "idf" transform); decode_counts: [N, L*E] decode

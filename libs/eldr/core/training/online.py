@@ -12,7 +12,7 @@ pure pieces decide what happens around a fit:
   few clusters) beyond a threshold means the partition no longer fits the traffic, and
   the trainer refits early.
 - **Shadow evaluation** (`shadow_evaluate`): before promoting a candidate, replay
-  held-out recent requests (with decode profiles, so what they really activated during
+  held-out recent requests (with decode summaries, so what they really activated during
   decode is known) through both partitions and the cost model's notion of work: under
   each partition the requests are routed as the routers route them, with the routers'
   own profile through the routers' own decision (`shadow_assignment`,
@@ -369,7 +369,7 @@ class ShadowResult:
     batch: float
     active_union: float
     candidate_union: float
-    source: str = "decode profiles"
+    source: str = "decode summaries"
     """What the held-out requests' decode activation came from."""
 
     @property
@@ -415,13 +415,13 @@ def shadow_evaluate(
     num_moe_layers: int,
     prompt_tokens: np.ndarray | None = None,
     seed: int = 0,
-    source: str = "decode profiles",
+    source: str = "decode summaries",
 ) -> ShadowResult:
     """Route held-out requests under both partitions and model their expert unions.
 
     prefill_counts: flat [N, L * E] rows in arrival order (what routing sees);
     activation: [N, L * E] the same requests' per-token decode activation
-    (`per_token_activation` of their decode profiles, or `prefill_activation` as a proxy,
+    (`per_token_activation` of their decode summaries, or `prefill_activation` as a proxy,
     named by `source`); workers: the live workers both are routed to; profile: the
     routers' routing profile (`shadow_assignment`, which also takes `prompt_tokens` and
     `seed`); batch: the fleet's mean batch per worker (`modelled_union`).
@@ -476,7 +476,7 @@ def prefill_activation(
     prefill_counts: np.ndarray, num_moe_layers: int, top_k: int = 1, prior_tokens: float = 1.0
 ) -> np.ndarray:
     """A proxy for per-token decode activation from prefill counts [N, L * E] (requests
-    without a decode profile): the prompt's smoothed routing frequencies, as the
+    without a decode summary): the prompt's smoothed routing frequencies, as the
     cost-aware router predicts them (`eldr.core.routing.activity.expert_demand`)."""
     rows = np.asarray(prefill_counts, dtype=np.float64)
     out = np.zeros_like(rows)

@@ -56,8 +56,8 @@ from eldr.core.training.online import (
 )
 from eldr.core.training.trainwindow import (
     DecisionOutcome,
+    DecodeOutcome,
     FinishOutcome,
-    ProfileOutcome,
     TrainingSet,
     TrainingWindow,
     WindowSnapshot,
@@ -182,7 +182,7 @@ class RefitResult:
     ungated: str
     """Why the candidate is promoted without a shadow gate ("": it was gated)."""
     n_requests: int
-    n_with_profile: int
+    n_with_summary: int
     n_held_out: int
     partition: Partition
     report: FitReport
@@ -245,20 +245,20 @@ def shadow_gate(
 ) -> tuple[ShadowResult | None, str]:
     """Route the held-out requests under both partitions and model their unions
     (`shadow_evaluate`), or say why there are too few to judge by. The held-out requests'
-    decode profiles give what they activate; with fewer than `min_requests` profiled, their
+    decode summaries give what they activate; with fewer than `min_requests` profiled, their
     prefill counts stand in ("prefill proxy"). `profile`: the routers' routing profile, which
     the requests are routed with (`shadow_evaluate`, through the routers' own decision). The
     only place a refit's verdict routes requests."""
     num_moe_layers = training.num_moe_layers
-    profiled = held & training.has_profile
+    profiled = held & training.has_summary
     if training.decode is not None and int(profiled.sum()) >= min_requests:
         rows = profiled
         activation = per_token_activation(training.decode[rows], num_moe_layers)
-        source = "decode profiles"
+        source = "decode summaries"
     elif int(held.sum()) >= min_requests:
         rows = held
         activation = prefill_activation(training.prefill[rows], num_moe_layers)
-        source = f"prefill proxy: {int(profiled.sum())} with decode profiles"
+        source = f"prefill proxy: {int(profiled.sum())} with decode summaries"
     else:
         return None, (
             f"{int(held.sum())} held-out request(s), a shadow evaluation needs {min_requests}"
@@ -372,7 +372,7 @@ def plan_refit(
         previous_version=None if previous is None else previous.version,
         ungated=ungated,
         n_requests=training.n,
-        n_with_profile=training.n_with_profile,
+        n_with_summary=training.n_with_summary,
         n_held_out=int(held.sum()),
         partition=partition,
         report=report,
@@ -431,9 +431,9 @@ class TrainerState:
             monitor.observe(dense)
         return outcome
 
-    def add_profile(self, request_id: str, decode: SparseRow, ts_s: float) -> ProfileOutcome:
+    def add_summary(self, request_id: str, decode: SparseRow, ts_s: float) -> DecodeOutcome:
         """A finished request's decode counts, joined to its request."""
-        return self.window.add_profile(request_id, decode, ts_s)
+        return self.window.add_summary(request_id, decode, ts_s)
 
     def finish(self, request_id: str, ts_s: float) -> FinishOutcome:
         """A request's decode ended (whether or not its profile comes)."""

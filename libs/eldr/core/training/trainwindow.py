@@ -1,14 +1,14 @@
 """The trainer's rolling training window and its view of the live decode workers.
 
 Training data arrives on two streams: each routing decision carries the request's prefill
-expert counts (the signature input), and each finished request's decode profile carries
+expert counts (the signature input), and each finished request's decode summary carries
 its decode expert counts. `TrainingWindow` joins the two by request id and keeps the most
 recent samples: at most `max_samples`, none older than `max_age_s`. A profile can arrive
 before its decision (the two streams are replayed independently at start), so profiles
 without a decision wait in a bounded side table until their decision arrives or they age
 out. A third input, the gateway's finish event, marks a sample finished whether or not a
-profile ever comes: `finished_without_profile` counts the requests that ended with no
-decode profile (on real vLLM, decode instances without the capture plugin), so a window
+profile ever comes: `finished_without_summary` counts the requests that ended with no
+decode summary (on real vLLM, decode instances without the capture plugin), so a window
 whose decode loop is open shows as such instead of looking merely young.
 
 `LiveWorkers` tracks which decode workers reported recently; those are the workers a
@@ -34,7 +34,7 @@ from eldr.core.signature.sparse import SparseRow
 
 @dataclass(frozen=True)
 class Sample:
-    """One training request: its routing decision joined with its decode profile (if any)."""
+    """One training request: its routing decision joined with its decode summary (if any)."""
 
     request_id: str
     model: str
@@ -50,7 +50,7 @@ class Sample:
 class TrainingSet:
     """Dense training matrices of one model and geometry (float32 [N, L * E] each).
 
-    `decode` rows of requests without a decode profile are zero (`has_profile` says which);
+    `decode` rows of requests without a decode summary are zero (`has_summary` says which);
     `decode` is None when no request in the set has one.
     """
 
@@ -60,15 +60,15 @@ class TrainingSet:
     request_ids: tuple[str, ...]
     prefill: np.ndarray
     decode: np.ndarray | None
-    has_profile: np.ndarray
+    has_summary: np.ndarray
 
     @property
     def n(self) -> int:
         return len(self.request_ids)
 
     @property
-    def n_with_profile(self) -> int:
-        return int(self.has_profile.sum())
+    def n_with_summary(self) -> int:
+        return int(self.has_summary.sum())
 
 
 @dataclass(frozen=True)
@@ -86,12 +86,12 @@ class WindowSnapshot:
         L, E = self.shape
         n = len(self.samples)
         prefill = np.zeros((n, L * E), dtype=np.float32)
-        has_profile = np.zeros(n, dtype=bool)
+        has_summary = np.zeros(n, dtype=bool)
         for i, s in enumerate(self.samples):
             s.prefill.add_to(prefill[i])
-            has_profile[i] = s.decode is not None
+            has_summary[i] = s.decode is not None
         decode: np.ndarray | None = None
-        if has_profile.any():
+        if has_summary.any():
             decode = np.zeros((n, L * E), dtype=np.float32)
             for i, s in enumerate(self.samples):
                 if s.decode is not None:
@@ -103,12 +103,12 @@ class WindowSnapshot:
             request_ids=tuple(s.request_id for s in self.samples),
             prefill=prefill,
             decode=decode,
-            has_profile=has_profile,
+            has_summary=has_summary,
         )
 
 
 DecisionOutcome = Literal["added", "duplicate", "empty"]
-ProfileOutcome = Literal["joined", "waiting", "duplicate", "shape_mismatch"]
+DecodeOutcome = Literal["joined", "waiting", "duplicate", "shape_mismatch"]
 FinishOutcome = Literal["finished", "waiting", "duplicate"]
 
 
@@ -123,7 +123,7 @@ class WindowStats:
 
 
 class TrainingWindow:
-    """A bounded, time-limited join of decisions and decode profiles by request id."""
+    """A bounded, time-limited join of decisions and decode summaries by request id."""
 
     def __init__(self, max_samples: int, max_age_s: float, max_orphans: int | None = None) -> None:
         if max_samples < 1:
@@ -139,8 +139,8 @@ class TrainingWindow:
         self._orphans: OrderedDict[str, tuple[float, SparseRow]] = OrderedDict()
         self._early_finishes: OrderedDict[str, float] = OrderedDict()
         """Finish events whose decision has not arrived (bounded like the orphans)."""
-        self._with_profile = 0
-        self._finished_without_profile = 0
+        self._with_summary = 0
+        self._finished_without_summary = 0
         self.added_total = 0
         """Samples ever added (a refit compares it to skip an unchanged window)."""
         self.stats = WindowStats()
@@ -152,17 +152,17 @@ class TrainingWindow:
         return request_id in self._samples
 
     @property
-    def with_profile(self) -> int:
-        return self._with_profile
+    def with_summary(self) -> int:
+        return self._with_summary
 
     @property
-    def orphan_profiles(self) -> int:
+    def orphan_summaries(self) -> int:
         return len(self._orphans)
 
     @property
-    def finished_without_profile(self) -> int:
-        """Samples whose request finished and has no decode profile (yet)."""
-        return self._finished_without_profile
+    def finished_without_summary(self) -> int:
+        """Samples whose request finished and has no decode summary (yet)."""
+        return self._finished_without_summary
 
     def add_decision(
         self, request_id: str, model: str, worker_id: str, prefill: SparseRow, ts_s: float
@@ -183,15 +183,15 @@ class TrainingWindow:
         self._samples[request_id] = Sample(
             request_id, model, worker_id, ts_s, prefill, decode, finished
         )
-        self._with_profile += decode is not None
-        self._finished_without_profile += finished and decode is None
+        self._with_summary += decode is not None
+        self._finished_without_summary += finished and decode is None
         self.added_total += 1
         while len(self._samples) > self.max_samples:
             self._drop_oldest()
             self.stats.evicted_by_size += 1
         return "added"
 
-    def add_profile(self, request_id: str, decode: SparseRow, ts_s: float) -> ProfileOutcome:
+    def add_summary(self, request_id: str, decode: SparseRow, ts_s: float) -> DecodeOutcome:
         """Attach decode counts to the request's sample.
 
         "waiting": the decision has not arrived; the profile waits for it (bounded by
@@ -212,8 +212,8 @@ class TrainingWindow:
         if decode.shape != sample.prefill.shape:
             return "shape_mismatch"
         self._samples[request_id] = replace(sample, decode=decode)
-        self._with_profile += 1
-        self._finished_without_profile -= sample.finished
+        self._with_summary += 1
+        self._finished_without_summary -= sample.finished
         return "joined"
 
     def finish(self, request_id: str, ts_s: float) -> FinishOutcome:
@@ -230,7 +230,7 @@ class TrainingWindow:
         if sample.finished:
             return "duplicate"
         self._samples[request_id] = replace(sample, finished=True)
-        self._finished_without_profile += sample.decode is None
+        self._finished_without_summary += sample.decode is None
         return "finished"
 
     def expire(self, now_s: float) -> int:
@@ -256,8 +256,8 @@ class TrainingWindow:
 
     def _drop_oldest(self) -> None:
         _, sample = self._samples.popitem(last=False)
-        self._with_profile -= sample.decode is not None
-        self._finished_without_profile -= sample.finished and sample.decode is None
+        self._with_summary -= sample.decode is not None
+        self._finished_without_summary -= sample.finished and sample.decode is None
 
     def groups(self) -> Counter[tuple[str, tuple[int, int]]]:
         """Samples per (model, [layers, experts])."""

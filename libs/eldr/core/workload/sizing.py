@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from eldr.core.costmodel import CostProfile, expected_uniform_union
+from eldr.core.costmodel import Deployment, expected_uniform_union
 from eldr.core.workload.trace import TraceSet
 
 
@@ -38,7 +38,7 @@ def stratified_split(
     return cal_arr, ev_arr
 
 
-def _step_s_at_batch(cost: CostProfile, traces: TraceSet, batch: float) -> float:
+def _step_s_at_batch(cost: Deployment, traces: TraceSet, batch: float) -> float:
     """Step time of a batch of `batch` uniformly routed tokens (an over-estimate of real,
     skewed unions) with the traces' mean KV length."""
     geometry = traces.geometry
@@ -50,7 +50,7 @@ def _step_s_at_batch(cost: CostProfile, traces: TraceSet, batch: float) -> float
 
 
 def rates_for_batch_targets(
-    cost: CostProfile, traces: TraceSet, decoders: int, targets: Sequence[float]
+    cost: Deployment, traces: TraceSet, decoders: int, targets: Sequence[float]
 ) -> list[float]:
     """Arrival rates at which each worker would hold about B requests (Little's law).
 
@@ -65,7 +65,7 @@ def rates_for_batch_targets(
     ]
 
 
-def expected_step_s(cost: CostProfile, traces: TraceSet, decoders: int, rate: float) -> float:
+def expected_step_s(cost: Deployment, traces: TraceSet, decoders: int, rate: float) -> float:
     """The step time at the batch Little's law gives for `rate` (rates_for_batch_targets'
     estimate, inverted by fixed-point iteration)."""
     mean_decode = float(np.mean([t.decode_tokens for t in traces.traces]))

@@ -1,4 +1,4 @@
-"""`eldr.vllm.decode_profiles` with torch on the CPU (no vLLM engine): what the decode
+"""`eldr.vllm.decode_summaries` with torch on the CPU (no vLLM engine): what the decode
 instance's plugin counts per request, checked against numpy over the same rows.
 
 Each step here is what vLLM's router callbacks leave in the plugin's buffer: the step's rows
@@ -20,9 +20,9 @@ G = ModelGeometry.of_moe(num_moe_layers=3, num_experts=8, top_k=2)
 
 
 def profiles(max_requests: int = 4) -> object:
-    from eldr.vllm.decode_profiles import DecodeProfiles
+    from eldr.vllm.decode_summaries import DecodeSummaries
 
-    return DecodeProfiles(G, max_requests=max_requests, max_rows=64, device="cpu")
+    return DecodeSummaries(G, max_requests=max_requests, max_rows=64, device="cpu")
 
 
 def step_rows(n: int, rng: np.random.Generator) -> np.ndarray:

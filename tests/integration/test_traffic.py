@@ -1,8 +1,8 @@
-"""The trace replayer (simulated prefill worker + gateway) against a real nats-server.
+"""The traffic driver (simulated prefill worker + gateway) against a real nats-server.
 
 `StandInRouter` below is NOT the routing service: it is a test double that consumes
 PrefillDone events through the routers' durable consumer and answers with a round-robin
-Decision, so the replayer's side of the contract can be checked on its own.
+Decision, so the driver's side of the contract can be checked on its own.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from eldr.core.workload.synthetic import SyntheticSpec, generate
 from eldr.core.workload.trace import TraceSet, expert_counts
 from eldr.runtime import run_service
 from eldr.settings import BusSettings, RetentionSettings
-from eldr.sim.traffic import ReplayConfig, TraceReplayer
+from eldr.sim.traffic import TrafficConfig, TrafficDriver
 from eldr.wire import (
     BlockSummaryBatch,
     DecodeJob,
@@ -143,7 +143,7 @@ async def simdecode(bus_settings: BusSettings, retention: RetentionSettings) -> 
     await asyncio.wait_for(task, timeout=WAIT_S)
 
 
-def config(**overrides: object) -> ReplayConfig:
+def config(**overrides: object) -> TrafficConfig:
     fields: dict[str, object] = {
         "prefill_worker": "p0",
         "block_size": BLOCK,
@@ -153,7 +153,7 @@ def config(**overrides: object) -> ReplayConfig:
         "send_jobs": False,
     }
     fields.update(overrides)
-    return ReplayConfig(**fields)  # type: ignore[arg-type]
+    return TrafficConfig(**fields)  # type: ignore[arg-type]
 
 
 async def published_batches(bus: Bus) -> list[BlockSummaryBatch]:
@@ -178,21 +178,21 @@ async def test_blocks_are_published_once_each_with_the_requests_hashes(
 ) -> None:
     router = StandInRouter(bus)
     await router.start()
-    async with TraceReplayer(bus, traces, config()) as replayer:
-        summary = await replayer.run(30)
+    async with TrafficDriver(bus, traces, config()) as driver:
+        summary = await driver.run(30)
     assert summary.decided == 30
     batches = await published_batches(bus)
     hashes = [b.block_hash for batch in batches for b in batch.blocks]
     assert len(hashes) == len(set(hashes)), "a cached block was published again"
     expected: set[int] = set()
-    for record in replayer.records:
+    for record in driver.records:
         trace = traces.traces[record.trace_index]
         expected |= set(hash_chain(trace_token_ids(trace), BLOCK))
     assert set(hashes) == expected
     assert [batch.seq for batch in batches] == list(range(len(batches)))
     # 30 requests over 12 traces of 2 topics: the shared prefixes were served from "cache".
     assert summary.blocks_published < sum(
-        traces.traces[r.trace_index].prompt_tokens // BLOCK for r in replayer.records
+        traces.traces[r.trace_index].prompt_tokens // BLOCK for r in driver.records
     )
 
 
@@ -201,10 +201,10 @@ async def test_prefill_done_carries_hashes_partial_inbox_and_label(
 ) -> None:
     router = StandInRouter(bus)
     await router.start()
-    async with TraceReplayer(bus, traces, config()) as replayer:
-        await replayer.run(10)
-        inbox = replayer.inbox
-        records = {r.request_id: r for r in replayer.records}
+    async with TrafficDriver(bus, traces, config()) as driver:
+        await driver.run(10)
+        inbox = driver.inbox
+        records = {r.request_id: r for r in driver.records}
     assert sorted(e.request_id for e in router.events) == sorted(records)
     for event in router.events:
         trace = traces.traces[records[event.request_id].trace_index]
@@ -235,14 +235,14 @@ async def test_prefill_done_carries_hashes_partial_inbox_and_label(
 async def test_a_prefix_hit_on_blocks_it_holds_carries_the_whole_signature(
     bus: Bus, traces: TraceSet, overrides: dict[str, object], local: str
 ) -> None:
-    """The replayer plays a prefill worker that keeps a summary of every block it computed
+    """The driver plays a prefill worker that keeps a summary of every block it computed
     (or of its last `local_summary_blocks`): a prefix hit on held blocks sends the whole
     prompt's counts (`signature`); other hits send `computed` for the service to complete."""
     router = StandInRouter(bus)
     await router.start()
-    async with TraceReplayer(bus, traces, config(**overrides)) as replayer:
-        summary = await replayer.run(30)
-        records = {r.request_id: r for r in replayer.records}
+    async with TrafficDriver(bus, traces, config(**overrides)) as driver:
+        summary = await driver.run(30)
+        records = {r.request_id: r for r in driver.records}
     assert summary.decided == 30
     by_source: dict[str, int] = {}
     for event in router.events:
@@ -287,9 +287,9 @@ async def test_decode_jobs_reach_the_chosen_simulated_workers(
     await bus.subscribe(bus.subjects.load_all, LoadReport, on_load)
     router = StandInRouter(bus)
     await router.start()
-    async with TraceReplayer(bus, traces, config(send_jobs=True, rate_per_s=200.0)) as replayer:
-        summary = await replayer.run(12)
-        ids = {r.request_id for r in replayer.records}
+    async with TrafficDriver(bus, traces, config(send_jobs=True, rate_per_s=200.0)) as driver:
+        summary = await driver.run(12)
+        ids = {r.request_id for r in driver.records}
     assert summary.jobs_accepted == 12
     assert summary.errors == 0
     assert summary.per_worker == {"dA": 6, "dB": 6}
@@ -317,12 +317,12 @@ async def test_every_replayed_request_ends_in_one_finish_event(
     await bus.subscribe(bus.subjects.finished_all, RequestFinished, on_finished)
     router = StandInRouter(bus)
     await router.start()
-    async with TraceReplayer(bus, traces, config(send_jobs=True, rate_per_s=200.0)) as replayer:
-        await replayer.run(12)
-        ids = {r.request_id for r in replayer.records}
+    async with TrafficDriver(bus, traces, config(send_jobs=True, rate_per_s=200.0)) as driver:
+        await driver.run(12)
+        ids = {r.request_id for r in driver.records}
         await asyncio.wait_for(got_all.wait(), timeout=WAIT_S)
     assert set(events) == ids
-    records = {r.request_id: r for r in replayer.records}
+    records = {r.request_id: r for r in driver.records}
     for rid, (event, *more) in events.items():
         assert more == []
         record = records[rid]
@@ -340,17 +340,17 @@ async def test_decision_is_read_from_the_stream_when_the_reply_is_lost(
 ) -> None:
     router = StandInRouter(bus, reply=False)
     await router.start()
-    async with TraceReplayer(bus, traces, config(decision_timeout_s=0.3)) as replayer:
-        summary = await replayer.run(3)
+    async with TrafficDriver(bus, traces, config(decision_timeout_s=0.3)) as driver:
+        summary = await driver.run(3)
     assert summary.decided == 3
     assert summary.recovered == 3
     assert summary.lost == 0
-    assert all(r.worker_id in WORKERS for r in replayer.records)
+    assert all(r.worker_id in WORKERS for r in driver.records)
 
 
 async def test_request_without_any_decision_is_counted_lost(bus: Bus, traces: TraceSet) -> None:
-    async with TraceReplayer(bus, traces, config(decision_timeout_s=0.2)) as replayer:
-        summary = await replayer.run(2)
+    async with TrafficDriver(bus, traces, config(decision_timeout_s=0.2)) as driver:
+        summary = await driver.run(2)
     assert summary.sent == 2
     assert summary.lost == 2
     assert summary.decided == 0
@@ -360,20 +360,20 @@ async def test_request_without_any_decision_is_counted_lost(bus: Bus, traces: Tr
 async def test_duplicate_replies_are_counted_not_double_decided(bus: Bus, traces: TraceSet) -> None:
     router = StandInRouter(bus, reply_twice=True)
     await router.start()
-    async with TraceReplayer(bus, traces, config()) as replayer:
-        summary = await replayer.run(5)
+    async with TrafficDriver(bus, traces, config()) as driver:
+        summary = await driver.run(5)
         deadline = time.monotonic() + WAIT_S
         # No event marks "the trailing second replies were handled": poll briefly.
-        while replayer.duplicate_replies < 5 and time.monotonic() < deadline:  # noqa: ASYNC110
+        while driver.duplicate_replies < 5 and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.01)  # the second replies may trail the run's end
     assert summary.decided == 5
-    assert replayer.duplicate_replies == 5
-    assert replayer.conflicting_replies == 0
+    assert driver.duplicate_replies == 5
+    assert driver.conflicting_replies == 0
 
 
 async def test_same_seed_plans_the_same_requests(bus: Bus, traces: TraceSet) -> None:
-    a = TraceReplayer(bus, traces, config(rate_per_s=50.0, seed=3))
-    b = TraceReplayer(bus, traces, config(rate_per_s=50.0, seed=3))
+    a = TrafficDriver(bus, traces, config(rate_per_s=50.0, seed=3))
+    b = TrafficDriver(bus, traces, config(rate_per_s=50.0, seed=3))
     (ia, oa), (ib, ob) = a.plan(20), b.plan(20)
     np.testing.assert_array_equal(ia, ib)
     np.testing.assert_allclose(oa, ob)
@@ -389,10 +389,10 @@ async def test_job_refusal_is_recorded(bus: Bus, traces: TraceSet) -> None:
         await bus.serve(bus.subjects.sim_decode(worker), None, DecodeJob, refuse)
     router = StandInRouter(bus)
     await router.start()
-    async with TraceReplayer(bus, traces, config(send_jobs=True)) as replayer:
-        summary = await replayer.run(2)
+    async with TrafficDriver(bus, traces, config(send_jobs=True)) as driver:
+        summary = await driver.run(2)
     assert summary.jobs_refused == 2
-    assert all("full" in (r.error or "") for r in replayer.records)
+    assert all("full" in (r.error or "") for r in driver.records)
 
 
 async def test_simprefill_service_replays_its_count_and_stops(

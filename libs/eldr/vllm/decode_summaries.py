@@ -1,9 +1,9 @@
-"""Decode profiles inside a decode engine: each request's decode-step experts, counted on
+"""Decode summaries inside a decode engine: each request's decode-step experts, counted on
 the device, read back once when the request ends.
 
 A decode step runs one (or, with chunking, a few) new token per request through every MoE
 layer; the capture plugin's router callbacks write the step's top-k expert ids into one
-device buffer `[rows, MoE layers, top_k]`. `DecodeProfiles` folds the rows of the
+device buffer `[rows, MoE layers, top_k]`. `DecodeSummaries` folds the rows of the
 requests it follows into a per-request count table on the same device:
 
     counts[slot, layer, expert] += 1   for every decode row of the request in `slot`
@@ -25,7 +25,7 @@ after a preemption does not count twice.
 Memory is fixed at construction: `max_requests x L x (E + 1)` int32 on the device and as
 much pinned on the host (Qwen3-30B-A3B's 48 x 128 experts, 512 requests: 12.7 MB each).
 
-torch is imported when a `DecodeProfiles` is made (it runs inside vLLM's worker).
+torch is imported when a `DecodeSummaries` is made (it runs inside vLLM's worker).
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ class _Followed:
 
 
 @dataclass(frozen=True)
-class FinishedProfile:
-    """One request's decode profile, read back from the device."""
+class FinishedSummary:
+    """One request's decode summary, read back from the device."""
 
     engine_id: str
     request_id: str
@@ -81,7 +81,7 @@ class _Copy:
     host: np.ndarray | None = field(default=None, repr=False)
 
 
-class DecodeProfiles:
+class DecodeSummaries:
     """Per-request decode expert counts on the engine's device (see the module docstring).
 
     Not thread-safe: the engine's worker thread calls it, one step at a time.
@@ -222,9 +222,9 @@ class DecodeProfiles:
         self.counts[f.slot].zero_()
         self._copies.append(copy)
 
-    def ready(self) -> list[FinishedProfile]:
+    def ready(self) -> list[FinishedSummary]:
         """The profiles whose read-back completed (their slots are free again)."""
-        out: list[FinishedProfile] = []
+        out: list[FinishedSummary] = []
         waiting: list[_Copy] = []
         for copy in self._copies:
             if copy.event is not None and not copy.event.query():
@@ -235,7 +235,7 @@ class DecodeProfiles:
             self._free.append(f.slot)
             E = self.geometry.num_experts
             out.append(
-                FinishedProfile(
+                FinishedSummary(
                     engine_id=copy.engine_id,
                     request_id=f.request_id,
                     counts=host[:, :E].astype(np.uint32),
