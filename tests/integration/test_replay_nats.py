@@ -452,7 +452,9 @@ def test_an_export_of_an_empty_range_writes_nothing(
     assert not path.exists()
 
 
-GOLDEN_BLOB_V1 = Path(__file__).parents[1] / "unit" / "golden" / "partition_blob.v1.msgpack"
+GOLDEN_BLOB_V1 = (
+    Path(__file__).parents[1] / "unit" / "wire" / "golden" / "partition_blob.v1.msgpack"
+)
 
 
 def v1_bytes(blob: PartitionBlob) -> bytes:

@@ -1,6 +1,6 @@
 """Minimal valid wire messages for tests, with only what a test cares about to set.
 
-Tests of the schema itself (`tests/unit/test_wire.py`, golden bytes, fuzz targets) spell
+Tests of the schema itself (`tests/unit/wire/test_wire.py`, golden bytes, fuzz targets) spell
 every field out on purpose and do not use these."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Every service's Prometheus registry as the shipped code builds it: the runtime's info
 gauge, the bus's metrics, the service's own metrics module and its scrape-time
-collectors, without a running process (tests/unit/test_deploy_metrics.py reads the
+collectors, without a running process (tests/unit/deploy/test_deploy_metrics.py reads the
 series they write; the e2e tests scrape the real processes)."""
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ SKIP_CALL = re.compile(r"pytest\.(skip\(|importorskip\(|mark\.skipif\()")
 
 NOT_A_PREREQUISITE = {
     "support/prereq.py": "the one place that skips on a missing prerequisite",
-    "unit/test_moe_step_bench.py": "skips where torch IS installed: tests/vllm runs it there",
-    "unit/test_supervision.py": "the parent-death signal exists on Linux only (a platform)",
+    "unit/bench/test_moe_step_bench.py": "skips where torch IS installed: tests/vllm runs it there",
+    "unit/dev/test_supervision.py": "the parent-death signal exists on Linux only (a platform)",
 }
 """Files whose skips are not a missing install step, and why."""
 

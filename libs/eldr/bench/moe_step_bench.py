@@ -136,7 +136,7 @@ class MoeShape:
 
 
 # The MoE layers of the deployments in deployments.toml (docs/COST_MODEL.md,
-# "Model profiles"; tests/unit/test_moe_step_bench.py checks them against the catalog).
+# "Model profiles"; tests/unit/bench/test_moe_step_bench.py checks them against the catalog).
 # fmt: off
 SHAPES: tuple[MoeShape, ...] = (
     MoeShape(

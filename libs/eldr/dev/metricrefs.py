@@ -9,7 +9,7 @@ metric names a PromQL expression selects, from the expression's syntax tree
 it to a Grafana dashboard, a Prometheus rules file and prometheus-adapter values. The e2e
 test compares the same references with a live `/metrics` scrape. `promtool` (Debian's
 `prometheus` package) checks the expressions and the alerts themselves
-(tests/unit/test_deploy_promtool.py).
+(tests/unit/deploy/test_deploy_promtool.py).
 
 Hand-written, for want of a library: reading the queries out of a dashboard (Grafana's
 JSON model) and out of prometheus-adapter's values, Grafana's `label_values(...)` variable

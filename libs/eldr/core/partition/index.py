@@ -19,7 +19,8 @@ are more centroids than coordinates; lossless when there are fewer): hnswlib fro
 `exact_threshold` centroids on, an exact product below it, retrieving 2k; the retrieved
 centroids are then scored exactly in the full space and the best k kept. With at most
 `reduced_dims` centroids the reduced space holds them exactly, so the search finds the
-true nearest; with more it can miss a near one (measured in tests/unit/test_index.py).
+true nearest; with more it can miss a near one (measured in
+tests/unit/core/partition/test_index.py).
 
 An index is immutable once built: build a new one off the request path and swap the
 reference; queries on the old one stay valid meanwhile.
@@ -194,7 +195,8 @@ class CentroidIndex:
         # Dense products: numpy gathers scattered cells far slower than it multiplies.
         reduced = query @ self._basis
         if self._hnsw is not None:
-            self._hnsw.set_ef(2 * want)  # recall of the reduced search: tests/unit/test_index.py
+            # recall of the reduced search: tests/unit/core/partition/test_index.py
+            self._hnsw.set_ef(2 * want)
             labels, _ = self._hnsw.knn_query(reduced[None, :], k=want, num_threads=1)
             ids = np.sort(labels[0].astype(np.int64))
         else:

@@ -191,7 +191,7 @@ def greedy_layer_mask(
     dec_norm = float(np.sqrt(dot(dec_c, dec_c)))
 
     def spearman_to_decode(dist: np.ndarray) -> float:
-        # scipy.stats.spearmanr(dist, decode distances), to 1e-15 (tests/unit/test_stats.py),
+        # scipy.stats.spearmanr(dist, decode distances), to 1e-15 (tests/unit/core/test_stats.py),
         # reusing the decode ranks: spearmanr made the selection 3.5x slower (stats.py).
         rc = rank_unchecked(dist) - rank_mean
         denom = float(np.sqrt(dot(rc, rc))) * dec_norm

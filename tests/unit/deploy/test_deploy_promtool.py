@@ -27,7 +27,7 @@ from eldr.dev.metricrefs import adapter_rules, dashboard_queries, grafana_query_
 from support.prereq import missing
 from support.service_metrics import service_registries
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 PROMETHEUS = REPO / "deploy" / "prometheus"
 ALERTS = PROMETHEUS / "alerts.yaml"
 ALERT_TESTS = PROMETHEUS / "alerts.test.yaml"

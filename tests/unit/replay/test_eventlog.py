@@ -153,7 +153,7 @@ def test_a_log_survives_the_file(tmp_path: Path, name: str) -> None:
     assert back.counts() == log.counts()
 
 
-GOLDEN_BLOB_V1 = Path(__file__).parent / "golden" / "partition_blob.v1.msgpack"
+GOLDEN_BLOB_V1 = Path(__file__).parents[1] / "wire" / "golden" / "partition_blob.v1.msgpack"
 
 
 def v1_blob_log() -> tuple[EventLog, bytes]:

@@ -208,7 +208,7 @@ def test_parse_metrics_refuses_a_page_without_vllm_gauges() -> None:
         parse_metrics("# TYPE x gauge\nx 1\n")
 
 
-DISABLED_PAGE = Path(__file__).parents[1] / "data" / "vllm-0.32.0-metrics-disable-log-stats.txt"
+DISABLED_PAGE = Path(__file__).parents[2] / "data" / "vllm-0.32.0-metrics-disable-log-stats.txt"
 
 
 def test_a_vllm_started_with_disable_log_stats_is_named_as_such() -> None:

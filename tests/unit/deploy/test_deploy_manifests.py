@@ -29,7 +29,7 @@ from eldr_services.simprefill.settings import SimPrefillSettings
 from eldr_services.trainer.settings import TrainerSettings
 from support.kustomize import render
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DEPLOY = REPO / "deploy"
 OVERLAYS = {name: DEPLOY / "k8s" / "overlays" / name for name in ("dev", "prod")}
 KUBERNETES_VERSION = "1.29"

@@ -33,7 +33,7 @@ from eldr.deploy import cli as deploy_cli
 from eldr.dev.natsserver import find_nats_server
 from eldr.settings import RetentionSettings
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DEV_OVERLAY = REPO / "deploy" / "k8s" / "overlays" / "dev"
 GENERATED = (DEV_OVERLAY / "auth.conf", REPO / "deploy" / "nats" / "values-auth.yaml")
 NS = "eldr"

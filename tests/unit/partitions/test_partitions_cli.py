@@ -23,7 +23,7 @@ from eldr.store import migrate, repo
 from eldr.store.models import PartitionStatus, PartitionVersion
 from eldr.wire import encode
 
-GOLDEN_BLOB_V1 = Path(__file__).parent / "golden" / "partition_blob.v1.msgpack"
+GOLDEN_BLOB_V1 = Path(__file__).parents[1] / "wire" / "golden" / "partition_blob.v1.msgpack"
 
 
 def make_partition(seed: int) -> Partition:

@@ -18,7 +18,7 @@ from starlark_go import Starlark
 from eldr.dev.stack import SERVICES
 from support.kustomize import render_yaml, require_kubectl
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TILTFILE = REPO / "Tiltfile"
 
 

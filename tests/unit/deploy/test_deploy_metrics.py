@@ -28,7 +28,7 @@ from eldr.dev.metricrefs import (
 )
 from support.service_metrics import SERVICES, service_registries
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DASHBOARD = REPO / "deploy" / "grafana" / "eldr-overview.json"
 ALERTS = REPO / "deploy" / "prometheus" / "alerts.yaml"
 ADAPTER = REPO / "deploy" / "prometheus" / "adapter-values.yaml"

@@ -1,9 +1,9 @@
 """Wire schemas: golden bytes, validation, arrays, and property tests (round trips; no
 input makes `decode` raise anything but WireError).
 
-Golden files live in tests/unit/golden/{kind}.v{version}.msgpack. After an intentional
+Golden files live in tests/unit/wire/golden/{kind}.v{version}.msgpack. After an intentional
 schema change (a new field with a default and a bumped `v`), write the new version's
-file with `.venv/bin/python tests/unit/test_wire.py` and keep the old files: they must
+file with `.venv/bin/python tests/unit/wire/test_wire.py` and keep the old files: they must
 still decode.
 """
 
@@ -313,7 +313,7 @@ def test_every_message_type_has_a_canonical_instance() -> None:
 @pytest.mark.parametrize("message_type", ALL_MESSAGE_TYPES, ids=lambda t: t.__name__)
 def test_golden_bytes_are_stable(message_type: type[Message]) -> None:
     path = golden_path(message_type)
-    assert path.exists(), f"missing {path}: run .venv/bin/python tests/unit/test_wire.py"
+    assert path.exists(), f"missing {path}: run .venv/bin/python tests/unit/wire/test_wire.py"
     golden = path.read_bytes()
     message = canonical_messages()[message_type]
     assert decode(golden, message_type) == message
