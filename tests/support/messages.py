@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from eldr.core.routing.profile import JsqProfile
-from eldr.wire import Decision, SparseCounts
+from eldr.wire import Decision, PrefillDone, SparseCounts
 
 
 def decision(
@@ -46,3 +46,21 @@ def decision(
         values["profile"] = None
     values.update(fields)
     return Decision(**values)
+
+
+def prefill_done(**fields: Any) -> PrefillDone:
+    """A `PrefillDone` for request "r" of model "m": two hashed blocks of 2 tokens, 5 prompt
+    tokens, 2 MoE layers x 4 experts, no counts; any field can be given by name."""
+    values: dict[str, Any] = {
+        "request_id": "r",
+        "model": "m",
+        "prefill_worker": "p0",
+        "ts_s": time.time(),
+        "block_size": 2,
+        "block_hashes": [11, 12],
+        "n_prompt_tokens": 5,
+        "partial": None,
+        "num_moe_layers": 2,
+        "num_experts": 4,
+    }
+    return PrefillDone(**(values | fields))

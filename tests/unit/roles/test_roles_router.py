@@ -4,7 +4,6 @@ each input does to a replica's tables (`eldr.roles.router`)."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import numpy as np
 
@@ -17,24 +16,13 @@ from eldr.wire import AssembleReply, AssembleRequest, PrefillDone, SparseCounts
 from eldr.wire.arrays import NdArray
 from eldr.wire.messages import NO_WORKER
 from eldr.wire.records import expired_outcome
+from support.messages import prefill_done
 
 L, E = 2, 4
 
 
-def event(**fields: object) -> PrefillDone:
-    values: dict[str, object] = {
-        "request_id": "r",
-        "model": "m",
-        "prefill_worker": "p0",
-        "ts_s": time.time(),
-        "block_size": 2,
-        "block_hashes": [11, 12],
-        "n_prompt_tokens": 5,
-        "partial": None,
-        "num_moe_layers": L,
-        "num_experts": E,
-    }
-    return PrefillDone(**(values | fields))  # type: ignore[arg-type]
+event = prefill_done
+"""A PrefillDone of L x E counts (`support.messages.prefill_done`)."""
 
 
 def ones(n: int = 1) -> np.ndarray:

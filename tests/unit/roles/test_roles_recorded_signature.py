@@ -3,30 +3,17 @@ sparse form where the event holds all of it."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from eldr.roles.signature import recorded_signature
-from eldr.wire import PrefillDone, SparseCounts
+from eldr.wire import SparseCounts
+from support.messages import prefill_done
 
 L, E = 2, 4
 
 
-def event(**fields: object) -> PrefillDone:
-    values: dict[str, object] = {
-        "request_id": "r",
-        "model": "m",
-        "prefill_worker": "p0",
-        "ts_s": time.time(),
-        "block_size": 2,
-        "block_hashes": [11, 12],
-        "n_prompt_tokens": 5,
-        "partial": None,
-        "num_moe_layers": L,
-        "num_experts": E,
-    }
-    return PrefillDone(**(values | fields))  # type: ignore[arg-type]
+event = prefill_done
+"""A PrefillDone of L x E counts (`support.messages.prefill_done`)."""
 
 
 def dense(*cells: tuple[int, int, int]) -> np.ndarray:
