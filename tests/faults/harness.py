@@ -307,13 +307,19 @@ async def read_decisions(bus: Bus, since_s: float, prefix: str) -> dict[str, lis
             )
 
     stream = stream_name(bus.subjects.namespace, DECISIONS)
-    reader = await bus.read_back(
-        stream,
-        bus.subjects.decisions_all,
-        Decision,
-        on_decision,
-        start_time_s=since_s,
-        stop_at_end=True,
+    # The checker's own read: a cluster still recovering from the fault may answer 503 for a
+    # moment, which is not what the scenario measures; retried as the services retry it.
+    reader = await bus.retrying(
+        "read back decisions",
+        lambda: bus.read_back(
+            stream,
+            bus.subjects.decisions_all,
+            Decision,
+            on_decision,
+            start_time_s=since_s,
+            stop_at_end=True,
+        ),
+        give_up_s=30.0,
     )
     await reader.wait_caught_up(timeout_s=60)
     return found
@@ -326,13 +332,17 @@ async def read_dead_letters(bus: Bus, since_s: float) -> list[DeadLetter]:
         letters.append(letter)
 
     stream = stream_name(bus.subjects.namespace, DLQ)
-    reader = await bus.read_back(
-        stream,
-        bus.subjects.dlq_all,
-        DeadLetter,
-        on_letter,
-        start_time_s=since_s,
-        stop_at_end=True,
+    reader = await bus.retrying(
+        "read back dead letters",
+        lambda: bus.read_back(
+            stream,
+            bus.subjects.dlq_all,
+            DeadLetter,
+            on_letter,
+            start_time_s=since_s,
+            stop_at_end=True,
+        ),
+        give_up_s=30.0,
     )
     await reader.wait_caught_up(timeout_s=30)
     return letters
