@@ -33,6 +33,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from eldr.aio import wait_event
 from eldr.bus import Bus, apply_topology, build_topology
 from eldr.settings import CommonSettings
 
@@ -123,8 +124,7 @@ class ServiceContext(Generic[S]):
                     if self.stopping.is_set():
                         return
                     if delay_s > 0:
-                        with contextlib.suppress(TimeoutError):
-                            await asyncio.wait_for(self.stopping.wait(), timeout=delay_s)
+                        await wait_event(self.stopping, delay_s)
                         if self.stopping.is_set():
                             return
                 elif delay_s > 0:

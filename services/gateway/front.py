@@ -6,16 +6,19 @@ optional API keys, and the writes to a client that may have gone away.
 - `api_key_check`: `Authorization: Bearer <key>` on /v1/* when keys are configured,
   answered as vLLM's `--api-key` answers (401 `{"error": "Unauthorized"}`);
 - `ClientAnswer`: an upstream's 4xx passed back as it came;
-- `to_client` / `ClientGone`: a write to a client that disconnected.
+- `to_client` / `ClientGone`: a write to a client that disconnected;
+- `client_gone` / `unless_client_leaves`: the client's connection watched directly, where
+  nothing is written to it for a while (a whole answer comes only at its end).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import secrets
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from http import HTTPStatus
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -102,6 +105,45 @@ async def to_client(write: Awaitable[Any]) -> None:
         await write
     except ConnectionResetError as exc:
         raise ClientGone(str(exc)) from exc
+
+
+T = TypeVar("T")
+
+CLIENT_POLL_S = 0.25
+"""How often a wait that writes nothing to the client looks at its connection."""
+
+
+def client_gone(request: web.Request) -> bool:
+    """Whether the client's connection is closed (aiohttp drops the transport then)."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+async def unless_client_leaves(
+    request: web.Request, work: Coroutine[Any, Any, T], poll_s: float = CLIENT_POLL_S
+) -> T:
+    """Await `work` (whose cancellation releases what it holds: a cancelled upstream
+    request closes its connection, and vLLM aborts it); when the client's connection
+    closes first, cancel it and raise `ClientGone`.
+
+    A client that disconnects cancels its handler, which does the same; this check does
+    not depend on that one cancellation, which an await that completes as it arrives can
+    lose (Python 3.11's `asyncio.wait_for` returns the result then)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if client_gone(request):
+                raise ClientGone("the client closed its connection")
+    finally:
+        if not task.done():
+            task.cancel()
+            # Wait for the cancelled work to let go; what it ended with is not ours.
+            await asyncio.wait({task})
+            if not task.cancelled():
+                task.exception()
 
 
 class ClientAnswer(Exception):  # noqa: N818 - a control-flow signal, not an error

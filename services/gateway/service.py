@@ -57,6 +57,7 @@ from eldr.vllm.gateway import (
 )
 from eldr.vllm.moe_layers import moe_layer_ids, num_routed_experts, parse_layer_ids, text_config
 from eldr.vllm.pd import (
+    CLIENT_GONE_STATUS,
     REQUEST_ID_HEADER,
     BadRequestError,
     BodyLimits,
@@ -84,8 +85,10 @@ from .front import (
     ClientAnswer,
     ClientGone,
     api_key_check,
+    client_gone,
     error_response,
     to_client,
+    unless_client_leaves,
     vllm_shaped_errors,
 )
 from .metrics import GatewayMetrics
@@ -327,26 +330,34 @@ class Gateway:
         request_id = finish.request_id
         streamed = bool(body.get("stream"))
         try:
-            resp = await self.session.post(
-                self.decoders[name] + path,
-                data=encode_body(body),
-                headers=self.upstream_headers(request, request_id),
-                timeout=self._timeout(streamed=streamed),
+            # Nothing reaches the client until the headers come (for a whole answer, at
+            # its end), so its connection is watched meanwhile.
+            resp = await unless_client_leaves(
+                request,
+                self.session.post(
+                    self.decoders[name] + path,
+                    data=encode_body(body),
+                    headers=self.upstream_headers(request, request_id),
+                    timeout=self._timeout(streamed=streamed),
+                ),
             )
         except aiohttp.ClientConnectorError as exc:
             self._down("decode", name, str(exc))
             raise UpstreamError(f"{name}: {exc}", reached=False) from exc
         except (aiohttp.ClientConnectionError, TimeoutError) as exc:
             raise UpstreamError(f"{name}: {exc}") from exc
-        except asyncio.CancelledError:
-            # The client went away while this instance worked on the request (a whole
-            # answer's headers come only at its end): the connection is closed, vLLM
-            # aborts it, and the abort is this worker's (its adapter counts it).
+        except (asyncio.CancelledError, ClientGone) as gone:
+            # The client went away while this instance worked on the request: the
+            # connection is closed, vLLM aborts it, and the abort is this worker's (its
+            # adapter counts it).
             self.metrics.client_aborts.inc()
             await self._publish_finish(
                 finish.finished(name, "abort", decode_s=time.perf_counter() - started)
             )
-            raise
+            if isinstance(gone, asyncio.CancelledError):
+                raise
+            log.info("client of %s went away during the decode", request_id)
+            return web.Response(status=CLIENT_GONE_STATUS)  # reaches nobody
         reason: FinishReason = "error"
         tokens: int | None = None
         out: web.StreamResponse | None = None
@@ -434,7 +445,8 @@ class Gateway:
             if isinstance(gone, asyncio.CancelledError):
                 raise
             log.info("client of %s went away mid-stream", request_id)
-            return out if out is not None else web.Response(status=499)  # the client is gone
+            # The client is gone: what is returned reaches nobody.
+            return out if out is not None else web.Response(status=CLIENT_GONE_STATUS)
         finally:
             if answered:
                 await self._publish_finish(
@@ -490,7 +502,8 @@ class Gateway:
             client_id = client_request_id_from(request.headers.get(REQUEST_ID_HEADER))
             ids = id_headers(request_id, client_id)
             try:
-                data = await asyncio.wait_for(request.read(), timeout=s.gateway_body_timeout_s)
+                async with asyncio.timeout(s.gateway_body_timeout_s):
+                    data = await request.read()
             except TimeoutError:
                 self.metrics.refused_bodies.labels("timeout").inc()
                 return error_response(
@@ -518,13 +531,16 @@ class Gateway:
             return await self._route_and_decode(request, path, body, finish, ids)
         except Unavailable as exc:
             return error_response(503, str(exc), headers=ids)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, ClientGone) as gone:
             # The client went away before a decode instance answered (during the prefill,
             # the decision wait): the prefill request was closed with it (vLLM aborts it).
             outcome = "abort"
             if finish.final is None:
                 self.metrics.client_aborts.inc()
-            raise
+            if isinstance(gone, asyncio.CancelledError):
+                raise
+            log.info("client of %s went away before the decode", request_id)
+            return web.Response(status=CLIENT_GONE_STATUS, headers=ids)  # reaches nobody
         finally:
             # Whatever happened before a decode worker took the request (prefill failed,
             # the client went away, no decoder answered), it ends in one finish event.
@@ -581,6 +597,10 @@ class Gateway:
                     self.settings.gateway_decision_timeout_s,
                 )
             self.metrics.decision_wait.observe(time.perf_counter() - answered)
+        if client_gone(request):
+            # Its handler's cancellation should have ended it already; whatever lost that,
+            # no decode starts for a client that has left.
+            raise ClientGone("the client left before the decode")
         candidates = self._healthy("decode", decode_order(decision, self.decode_picker))
 
         async def prefill_again() -> Any:

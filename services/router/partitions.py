@@ -11,9 +11,9 @@ replica routes with the version it has and says so (`eldr_router_partition_behin
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
+from eldr.aio import wait_event
 from eldr.bus import Bus, BusError, Delivery
 from eldr.core.routing.decide import RouterCore
 from eldr.partitions.codec import partition_from_blob
@@ -96,9 +96,8 @@ class PartitionLoader:
                     exc,
                 )
                 self._wakeup.clear()
-                with contextlib.suppress(TimeoutError):
-                    # A newer announcement tries at once; else the same one after the wait.
-                    await asyncio.wait_for(self._wakeup.wait(), timeout=backoff_s)
+                # A newer announcement tries at once; else the same one after the wait.
+                await wait_event(self._wakeup, backoff_s)
                 backoff_s = min(backoff_s * 2, PARTITION_RETRY_MAX_S)
                 continue
             backoff_s = PARTITION_RETRY_MIN_S

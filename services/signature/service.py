@@ -21,6 +21,7 @@ import time
 
 from prometheus_client import CollectorRegistry
 
+from eldr.aio import wait_event
 from eldr.bus import SIGNATURE_QUEUE, Delivery, Reject, stream_name
 from eldr.bus.topology import BLOCKS, IDENTITY
 from eldr.runtime import ServiceContext, service_main
@@ -117,9 +118,7 @@ class Replica:
             if missing:
                 waiter = state.waiters.register(missing)
                 try:
-                    await asyncio.wait_for(waiter.done.wait(), timeout=wait_s)
-                except TimeoutError:
-                    pass  # answer with what is there
+                    await wait_event(waiter.done, wait_s)  # else answer with what is there
                 finally:
                     state.waiters.remove(waiter)
                 metrics.wait_seconds.observe(time.perf_counter() - started)

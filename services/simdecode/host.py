@@ -203,7 +203,8 @@ class SimDecodeHost:
         if self._summary_task is not None:
             # Publish what finished during the grace period, then stop.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._summaries.join(), timeout=5.0)
+                async with asyncio.timeout(5.0):
+                    await self._summaries.join()
             self._summary_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._summary_task

@@ -13,6 +13,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from eldr.roles.requester import DecisionWaiters
 from eldr.settings import BusSettings, RetentionSettings
 from eldr.wire import RequestFinished
 from support.gateway_stack import (
@@ -281,6 +282,46 @@ async def test_a_client_that_breaks_off_a_stream_ends_in_an_abort(
     final = await finishes.final(rid_of(resp))
     assert final.reason == "abort"
     assert final.worker_id in {d.name for d in stack.decoders}
+
+
+async def test_a_client_whose_hang_up_was_lost_gets_no_decode(
+    stack: Stack, finishes: Finishes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The handler's cancellation can be lost (Python 3.11's wait_for lost it when the
+    decision came in the same moment, and a whole answer was decoded for nobody): the
+    gateway still sees the closed connection before the decode and starts none."""
+    real_wait = DecisionWaiters.wait
+
+    async def deaf_wait(self: DecisionWaiters, *args: Any, **kwargs: Any) -> Any:
+        deadline = time.monotonic() + 1.0
+        while True:
+            try:  # a wait that swallows the hang-up, and answers after the client left
+                await asyncio.sleep(max(0.0, deadline - time.monotonic()))
+                break
+            except asyncio.CancelledError:
+                continue
+        return await real_wait(self, *args, **kwargs)
+
+    monkeypatch.setattr(DecisionWaiters, "wait", deaf_wait)
+    async with aiohttp.ClientSession() as http:
+        with pytest.raises(TimeoutError):
+            await http.post(
+                stack.url + "/v1/completions",
+                json={"prompt": "left"},
+                headers={"X-Request-Id": "left"},
+                timeout=aiohttp.ClientTimeout(total=0.3),
+            )
+    deadline = time.monotonic() + 10
+    while not any(m.client_request_id == "left" for ms in finishes.events.values() for _, m in ms):
+        assert time.monotonic() < deadline, "no finish event"
+        await asyncio.sleep(0.05)
+    (request_id,) = [
+        rid for rid, ms in finishes.events.items() if ms[0][1].client_request_id == "left"
+    ]
+    final = await finishes.final(request_id)
+    assert (final.reason, final.worker_id) == ("abort", None)
+    assert [d.name for d in decoded_by(stack, request_id)] == []
+    assert len(stack.prefill.seen) == 1  # the prefill ran; no decode started after it
 
 
 async def test_a_prefill_whose_capture_failed_is_routed_load_only_at_once(

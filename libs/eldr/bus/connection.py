@@ -29,6 +29,7 @@ from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 from prometheus_client import CollectorRegistry
 
+from eldr.aio import wait_event
 from eldr.bus.errors import (
     AlreadyExists,
     BusError,
@@ -276,12 +277,14 @@ class Connection:
             # its time to close, and the caller is owed the original error now.
             await stop_task(connecting, settings.connect_timeout_s)
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(nc.close(), timeout=settings.connect_timeout_s)
+                async with asyncio.timeout(settings.connect_timeout_s):
+                    await nc.close()
             raise
         server_info: Mapping[str, Any] = getattr(nc, "_server_info", None) or {}
         if settings.require_auth and not server_info.get("auth_required"):
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(nc.close(), timeout=settings.connect_timeout_s)
+                async with asyncio.timeout(settings.connect_timeout_s):
+                    await nc.close()
             raise BusError(
                 f"NATS at {redact_url(nc.connected_url)} does not require authentication and "
                 "ELDR_REQUIRE_AUTH is set: install NATS with its users "
@@ -329,9 +332,8 @@ class Connection:
         self._drained = True
         handles = sorted(self._handles, key=lambda h: h.stop_order)
         try:
-            await asyncio.wait_for(
-                self._stop_handles(handles), timeout=self._settings.drain_timeout_s
-            )
+            async with asyncio.timeout(self._settings.drain_timeout_s):
+                await self._stop_handles(handles)
         except TimeoutError:
             log.error(
                 "bus drain: handlers still running after %.1f s; cancelled, their messages "
@@ -454,8 +456,7 @@ class Connection:
                 if stopping is None:
                     await asyncio.sleep(wait_s)
                 else:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(stopping.wait(), timeout=wait_s)
+                    await wait_event(stopping, wait_s)
                 continue
             if attempt:
                 self.faults.recovered(op)

@@ -12,11 +12,11 @@ stops, or when the requester's deadline passes.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from eldr.aio import wait_event
 from eldr.bus.receivers import Delivery
 
 T = TypeVar("T")
@@ -62,5 +62,4 @@ async def hold_while(
             if deadline_s is not None:
                 wait_s = min(wait_s, max(0.0, deadline_s - wall) + 0.001)
             wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wake.wait(), timeout=wait_s)
+            await wait_event(wake, wait_s)

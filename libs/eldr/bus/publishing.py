@@ -190,12 +190,8 @@ class Publishing(Connection):
         """The bytes of the last message on `subject` in `stream`; None if there is none."""
         try:
             with translated(f"get last message of {subject} in {stream}"):
-                if timeout_s is None:
+                async with asyncio.timeout(timeout_s):
                     raw = await self._js.get_last_msg(stream, subject, direct=True)
-                else:
-                    raw = await asyncio.wait_for(
-                        self._js.get_last_msg(stream, subject, direct=True), timeout_s
-                    )
         except NotFoundError:
             return None
         return raw.data or b""

@@ -51,6 +51,7 @@ from nats.aio.subscription import Subscription as NatsSubscription
 from nats.js import JetStreamContext, api
 from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER
 
+from eldr.aio import wait_event
 from eldr.bus.connection import Handle, translated
 from eldr.bus.deadletters import DeadLettering, one_line
 from eldr.bus.errors import Reject, Retry
@@ -629,8 +630,7 @@ class Consumer(_Receiver[M, None]):
             if paused_s > 0:
                 # The last pulls were refused: wait out the backoff (a handler finishing
                 # does not end it; stopping does).
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stopping.wait(), timeout=paused_s)
+                await wait_event(self._stopping, paused_s)
                 continue
             if free >= chunk_min or (free > 0 and not self._requests):
                 n = min(free, self._batch)
@@ -649,8 +649,7 @@ class Consumer(_Receiver[M, None]):
                     self._requests.append([now + expires_s, float(n)])
                     continue
             self._wakeup.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wakeup.wait(), timeout=expires_s / 2)
+            await wait_event(self._wakeup, expires_s / 2)
 
     def _backoff_s(self, num_delivered: int) -> float:
         """Redelivery delay after a failed handler: `error_backoff_s` doubling per
@@ -767,8 +766,7 @@ class Consumer(_Receiver[M, None]):
         deadline = time.monotonic() + self._bus.settings.fetch_timeout_s + 0.5
         while self._requests and time.monotonic() < deadline:
             self._wakeup.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wakeup.wait(), timeout=0.05)
+            await wait_event(self._wakeup, 0.05)
         self._loop_task = None
         while self._inflight:
             await asyncio.gather(*list(self._inflight), return_exceptions=True)
@@ -840,7 +838,8 @@ class ReadBack(_Receiver[M, None]):
 
     async def wait_caught_up(self, timeout_s: float | None = None) -> None:
         """Wait until `caught_up` (raises TimeoutError after `timeout_s`)."""
-        await asyncio.wait_for(self.caught_up.wait(), timeout=timeout_s)
+        async with asyncio.timeout(timeout_s):
+            await self.caught_up.wait()
 
     async def on_msg(self, msg: Msg) -> None:
         if self.finished.is_set():

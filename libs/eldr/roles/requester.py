@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
+from eldr.aio import wait_event
 from eldr.wire import Decision, RequestFinished
 from eldr.wire.messages import FinishReason
 
@@ -88,7 +89,9 @@ class DecisionWaiters:
         lost). None when there is none. An expired decision on the inbox is final (the
         stream holds the same record). `read_late`'s errors are the caller's."""
         with contextlib.suppress(TimeoutError):
-            decision, arrived_s = await asyncio.wait_for(asyncio.shield(waiter), timeout_s)
+            # The waiter outlives a timeout (shielded: a late delivery finds it done).
+            async with asyncio.timeout(timeout_s):
+                decision, arrived_s = await asyncio.shield(waiter)
             return Decided(decision, "inbox", arrived_s)
         late = await read_late(request_id)
         return None if late is None else Decided(late, "stream", None)
@@ -118,8 +121,7 @@ class InFlight:
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait up to `timeout_s` until none is in flight; False if some still are."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), timeout=timeout_s)
+        await wait_event(self._idle, timeout_s)
         return self.count == 0
 
     async def drain(self, grace_s: float) -> None:

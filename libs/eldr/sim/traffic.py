@@ -40,7 +40,6 @@ service each make their own.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -50,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from eldr.aio import wait_event
 from eldr.bus import Bus, BusError, BusTimeoutError, Delivery, NoRespondersError, Subscription
 from eldr.bus import stream_name as make_stream_name
 from eldr.bus.topology import DECISIONS
@@ -416,8 +416,7 @@ class TrafficDriver:
                 break
             delay = started + float(offsets[n]) - time.monotonic()
             if delay > _STOP_CHECK_S:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stop.wait(), timeout=delay)
+                await wait_event(self._stop, delay)
                 if self._stop.is_set():
                     break
             elif delay > 0:

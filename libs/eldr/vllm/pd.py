@@ -431,8 +431,15 @@ def response_headers(
     return headers
 
 
+CLIENT_GONE_STATUS = 499
+"""The status a handler returns for a client that already left (it is never sent)."""
+
+
 def request_outcome(status: int) -> str:
-    """The `outcome` label of a client request answered with HTTP `status`."""
+    """The `outcome` label of a client request answered with HTTP `status` (499: the
+    client went away, nginx's code for it; nothing reached the client)."""
+    if status == CLIENT_GONE_STATUS:
+        return "aborted"
     return "ok" if status < 400 else "client_error" if status < 500 else "upstream_error"
 
 

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from eldr.aio import wait_event
 from eldr.bus import Bus, BusError
 from eldr.settings import BusSettings
 from eldr.vllm.capture import StepResult
@@ -198,8 +199,7 @@ class BackgroundPublisher:
                 timeout = None
                 if self.status_source is not None:
                     timeout = max(0.0, next_status_s - time.monotonic())
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout)
+                await wait_event(self._wake, timeout)
                 self._wake.clear()
                 if self.status_source is not None and (
                     self._status_due.is_set() or time.monotonic() >= next_status_s

@@ -94,6 +94,23 @@ async def test_a_failed_stream_read_is_the_callers() -> None:
         await waiters.wait("r", waiter, timeout_s=0.01, read_late=broken)
 
 
+@pytest.mark.parametrize("turns", [0, 1])
+async def test_a_cancellation_that_comes_with_the_decision_is_kept(turns: int) -> None:
+    """The client's hang-up (its handler's cancellation) in the same moment as the decision
+    ends the wait. Python 3.11's wait_for returned the decision and lost the cancellation
+    (turns = 1 here), and the gateway decoded a whole answer for nobody."""
+    waiters = DecisionWaiters()
+    with waiters.expecting("r") as waiter:
+        wait = asyncio.create_task(waiters.wait("r", waiter, timeout_s=10.0, read_late=never))
+        await asyncio.sleep(0)  # the wait is in
+        assert waiters.deliver(decision("r"))
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        wait.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await wait
+
+
 async def test_decisions_nobody_waits_for_are_dropped() -> None:
     waiters = DecisionWaiters()
     with waiters.expecting("r") as waiter:

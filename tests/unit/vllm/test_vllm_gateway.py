@@ -74,7 +74,8 @@ def test_response_headers_drop_hop_headers_and_name_the_request_and_decoder() ->
         (200, "ok"),
         (399, "ok"),
         (400, "client_error"),
-        (499, "client_error"),
+        (498, "client_error"),
+        (499, "aborted"),
         (502, "upstream_error"),
     ],
 )
