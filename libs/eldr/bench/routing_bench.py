@@ -73,6 +73,7 @@ from eldr.core.routing.profile import (
     profile_from_params,
 )
 from eldr.core.signature.signature import Calibration, fit_calibration
+from eldr.core.stats import best_baselines
 from eldr.core.workload.arrivals import (
     ArrivalDraw,
     copy_overlap,
@@ -98,6 +99,13 @@ from eldr.sim.information import describe as describe_information
 log = logging.getLogger(__name__)
 
 BASELINES: tuple[str, ...] = tuple(p.name for p in LOAD_ONLY_PROFILES)
+STATISTIC_KEYS: dict[str, str] = {
+    "union": "expert_union_mean",
+    "union_per_token": "expert_union_per_token",
+    "tpot_p50": "tpot_p50_ms",
+    "tpot_p99": "tpot_p99_ms",
+}
+"""The compared statistics (`core.stats.TIE_BREAKS`) -> their keys in a result row."""
 DEFAULT_POLICY = DEFAULT_PROFILE.name
 """Row label of the routers' default profile."""
 PAPER_POLICY = PAPER_PROFILE.name
@@ -544,10 +552,12 @@ def summarize_rate(
     if not baselines:
         out["note"] = "no load-only baseline in the run"
         return out
-    p50 = min(baselines, key=lambda r: (r["tpot_p50_ms"], r["tpot_p99_ms"]))
-    p99 = min(baselines, key=lambda r: (r["tpot_p99_ms"], r["tpot_p50_ms"]))
-    union = min(baselines, key=lambda r: (r["expert_union_mean"], r["tpot_p50_ms"]))
-    per_token = min(baselines, key=lambda r: (r["expert_union_per_token"], r["tpot_p50_ms"]))
+    best = best_baselines(
+        {r["policy"]: {stat: r[key] for stat, key in STATISTIC_KEYS.items()} for r in baselines},
+        BASELINES,
+    )
+    p50, p99 = at[best["tpot_p50"]], at[best["tpot_p99"]]
+    union, per_token = at[best["union"]], at[best["union_per_token"]]
     bound = at.get(REFERENCE)
     out.update(
         {

@@ -1,4 +1,5 @@
-"""The two numeric kernels the signature calibration runs in its inner loop.
+"""The two numeric kernels the signature calibration runs in its inner loop, and the one
+rule that picks the baseline a result is compared with (`best_baselines`).
 
 Everything else statistical comes from numpy and scipy (`np.percentile`,
 `scipy.stats.spearmanr`, `scipy.optimize.linear_sum_assignment`). These two stay
@@ -9,7 +10,35 @@ to 30,000 pair distances about 300 times per calibration.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import numpy as np
+
+TIE_BREAKS: dict[str, str] = {
+    "union": "tpot_p50",
+    "union_per_token": "tpot_p50",
+    "tpot_p50": "tpot_p99",
+    "tpot_p99": "tpot_p50",
+}
+"""The compared statistics (all lower-is-better), each with the one that breaks its ties."""
+
+
+def best_baselines(
+    stats: Mapping[str, Mapping[str, float]], baselines: Sequence[str]
+) -> dict[str, str]:
+    """The best baseline of each statistic: among `baselines` (in that order) present in
+    `stats` (policy -> statistic -> value), the lowest value, ties broken by the lower
+    value of its `TIE_BREAKS` statistic, then by that order. Only statistics every present
+    baseline has; empty when no baseline is present. The bench, the demo and compare-live
+    all compare against these."""
+    present = [p for p in baselines if p in stats]
+    if not present:
+        return {}
+    best: dict[str, str] = {}
+    for stat, tie in TIE_BREAKS.items():
+        if all(stat in stats[p] and tie in stats[p] for p in present):
+            best[stat] = min(present, key=lambda p: (stats[p][stat], stats[p][tie]))
+    return best
 
 
 def dot(a: np.ndarray, b: np.ndarray) -> float:

@@ -50,6 +50,7 @@ from eldr.core.routing.profile import (
     params_taken,
     profile_from_params,
 )
+from eldr.core.stats import best_baselines as core_best_baselines
 from eldr.core.workload.arrivals import (
     ArrivalDraw,
     copy_overlap,
@@ -185,16 +186,10 @@ class DemoResult:
 
 def best_baselines(stats: dict[str, tuple[float, float, float]]) -> dict[str, str]:
     """The best load-only baseline of each statistic among those in `stats` (policy ->
-    (union, TPOT P50, TPOT P99)): the lowest, ties broken as `eldr bench` breaks them.
+    (union, TPOT P50, TPOT P99)), by `eldr bench`'s rule (`core.stats.best_baselines`).
     Empty when no baseline ran."""
-    present = [p for p in stats if p in BASELINES]
-    if not present:
-        return {}
-    return {
-        "union": min(present, key=lambda p: (stats[p][0], stats[p][1])),
-        "tpot_p50": min(present, key=lambda p: (stats[p][1], stats[p][2])),
-        "tpot_p99": min(present, key=lambda p: (stats[p][2], stats[p][1])),
-    }
+    named = {policy: dict(zip(STATISTICS, values, strict=True)) for policy, values in stats.items()}
+    return core_best_baselines(named, BASELINES)
 
 
 def against_best_baseline(

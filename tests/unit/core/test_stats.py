@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from eldr.core.signature.signature import greedy_layer_mask
-from eldr.core.stats import dot, rank_unchecked
+from eldr.core.stats import best_baselines, dot, rank_unchecked
 
 few_values = arrays(np.float64, st.integers(0, 80), elements=st.integers(-5, 5).map(float))
 any_values = arrays(np.float64, st.integers(0, 80), elements=st.floats(-1e9, 1e9, allow_nan=False))
@@ -58,3 +58,21 @@ def test_the_greedy_selections_spearman_is_scipys(seed: int) -> None:
         _pair_cosine_distances(decode.astype(np.float64)),
     ).statistic
     assert trace[-1].correlation == pytest.approx(float(expected), abs=1e-12)
+
+
+def test_the_best_baseline_of_each_statistic_is_the_lowest_ties_by_its_tie_break() -> None:
+    stats = {
+        "eldr": {"union": 1.0, "tpot_p50": 1.0, "tpot_p99": 1.0},  # not a baseline
+        "jsq": {"union": 9.0, "tpot_p50": 5.0, "tpot_p99": 7.0},
+        "random": {"union": 8.0, "tpot_p50": 5.0, "tpot_p99": 6.0},
+        "round_robin": {"union": 8.0, "tpot_p50": 4.0, "tpot_p99": 6.0},
+    }
+    best = best_baselines(stats, ("jsq", "random", "round_robin", "absent"))
+    # union: random and round_robin tie at 8, round_robin's TPOT P50 is lower;
+    # TPOT P99: the same tie, broken the same way; union per token: nobody has it.
+    assert best == {"union": "round_robin", "tpot_p50": "round_robin", "tpot_p99": "round_robin"}
+    stats["round_robin"]["tpot_p50"] = 5.0
+    # A full tie goes to the first in the baselines' order.
+    assert best_baselines(stats, ("jsq", "random", "round_robin"))["union"] == "random"
+    assert best_baselines(stats, ("jsq", "round_robin", "random"))["union"] == "round_robin"
+    assert best_baselines(stats, ("absent",)) == {}
