@@ -6,16 +6,18 @@ import asyncio
 import threading
 import time
 
+import nats
 import numpy as np
 import pytest
+from nats.aio.msg import Msg
 
-from eldr.bus import Bus, Delivery, apply_topology
+from eldr.bus import Bus, apply_topology
 from eldr.bus import Topology as BusTopology
 from eldr.core.workload.trace import ModelGeometry
 from eldr.settings import BusSettings
 from eldr.vllm.capture import CaptureConfig, CaptureState, StepResult
 from eldr.vllm.publisher import BackgroundPublisher
-from eldr.wire import BlockSummaryBatch, Message, PrefillDone
+from eldr.wire import BlockSummaryBatch, Message, PrefillDone, decode
 
 pytestmark = pytest.mark.integration
 
@@ -34,14 +36,23 @@ async def test_steps_are_published_blocks_first_from_a_foreign_thread(
     await apply_topology(bus, topology)
     got: list[Message] = []
     both = asyncio.Event()
+    kinds: dict[str, type[BlockSummaryBatch] | type[PrefillDone]] = {
+        bus.subjects.blocks_all.removesuffix("*"): BlockSummaryBatch,
+        bus.subjects.prefill_done_all.removesuffix("*"): PrefillDone,
+    }
 
-    async def on_message(message: Message, _: Delivery) -> None:
-        got.append(message)
+    async def on_message(msg: Msg) -> None:
+        for prefix, kind in kinds.items():
+            if msg.subject.startswith(prefix):
+                got.append(decode(msg.data, kind))
         if sum(isinstance(m, PrefillDone) for m in got) == 2:
             both.set()
 
-    await bus.subscribe(bus.subjects.blocks_all, BlockSummaryBatch, on_message)
-    await bus.subscribe(bus.subjects.prefill_done_all, PrefillDone, on_message)
+    # One subscription for both subjects: the client runs each subscription's handler in
+    # its own task, so only within one is the arrival order the publish order.
+    watcher = await nats.connect(bus_settings.nats_url)
+    await watcher.subscribe(f"{bus.subjects.namespace}.>", cb=on_message)
+    await watcher.flush()
     publisher = BackgroundPublisher(bus_settings, "capture-test", max_queued_steps=8)
     # The engine's thread is not the event loop's: submit from another thread.
     worker = threading.Thread(target=lambda: [publisher.submit(step(r)) for r in ("a", "b")])
@@ -49,8 +60,9 @@ async def test_steps_are_published_blocks_first_from_a_foreign_thread(
     worker.join()
     await asyncio.wait_for(both.wait(), 20)
     await asyncio.to_thread(publisher.close)
-    kinds = [type(m).__name__ for m in got]
-    assert kinds == ["BlockSummaryBatch", "PrefillDone", "BlockSummaryBatch", "PrefillDone"]
+    await watcher.close()
+    order = [type(m).__name__ for m in got]
+    assert order == ["BlockSummaryBatch", "PrefillDone", "BlockSummaryBatch", "PrefillDone"]
     assert publisher.stats.published_done == 2
     assert publisher.stats.dropped == 0
 
