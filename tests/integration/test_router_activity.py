@@ -351,17 +351,25 @@ async def test_a_new_replica_rebuilds_what_is_in_flight_before_it_takes_events(
         expected = await worker_activity(port_a)
         async with running_router(settings(port_b, "b")):
             ready = time.monotonic()
-            # Per worker once B has its first load reports (every 0.1 s): within 1 s.
+            # Per worker once B has its first load reports (every 0.1 s). The issue's "within
+            # one second of its start" is asserted on the router's own clock (the rebuild's
+            # seconds, before it takes events); the test's polling, which a busy CI machine
+            # delays, is printed, and bounded only so that it cannot wait forever.
             while set(rebuilt := await worker_activity(port_b)) != set(expected):
-                assert time.monotonic() - ready < 1.0, rebuilt
+                assert time.monotonic() - ready < 15.0, rebuilt
                 await asyncio.sleep(0.02)
+            shown_s = time.monotonic() - ready
             in_flight = await metric(port_b, "eldr_router_rebuild_in_flight_requests")
             complete = await metric(port_b, "eldr_router_rebuild_complete")
             took_s = await metric(port_b, "eldr_router_rebuild_seconds")
-    print(f"\nrebuilt {in_flight:.0f} requests in flight in {took_s:.3f} s: {rebuilt}")
+    print(
+        f"\nrebuilt {in_flight:.0f} requests in flight in {took_s:.3f} s, per worker in the "
+        f"metrics {shown_s:.2f} s after start: {rebuilt}"
+    )
     assert sum(expected.values()) == 20
     assert rebuilt == expected
     assert (in_flight, complete) == (20, 1)
+    assert took_s < 1.0
 
 
 async def test_a_rebuild_beyond_its_memory_bound_says_it_is_incomplete(
