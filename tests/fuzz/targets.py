@@ -21,7 +21,9 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from eldr.bus import REFUSAL_REASONS, Bus
-from eldr.bus.receivers import Consumer, ReadBack, Service, Subscription
+from eldr.bus.consumer import Consumer
+from eldr.bus.readback import ReadBack
+from eldr.bus.receivers import Service, Subscription
 from eldr.bus.topology import IDENTITY
 from eldr.core.routing.profile import EldrCostProfile, EldrProfile
 from eldr.core.signature.blocks import summarize_blocks, trace_token_ids

@@ -8,6 +8,8 @@ receivers and the object store, one module each), the topology as data (topology
 from eldr.bus.apply import TopologyChange, apply_topology, delete_topology
 from eldr.bus.bus import Bus
 from eldr.bus.connection import is_reply_inbox
+from eldr.bus.consumer import Consumer
+from eldr.bus.delivery import Delivery, Handler, RequestHandler, Undecodable
 from eldr.bus.errors import (
     REFUSAL_REASONS,
     AlreadyExists,
@@ -25,16 +27,8 @@ from eldr.bus.errors import (
 from eldr.bus.hold import hold_while
 from eldr.bus.objects import ObjectRef
 from eldr.bus.publishing import Committed, ConsumerState, PublishAck, StreamState
-from eldr.bus.receivers import (
-    Consumer,
-    Delivery,
-    Handler,
-    ReadBack,
-    RequestHandler,
-    Service,
-    Subscription,
-    Undecodable,
-)
+from eldr.bus.readback import ReadBack
+from eldr.bus.receivers import Service, Subscription
 from eldr.bus.topology import (
     ROUTER_CONSUMER,
     SIGNATURE_QUEUE,

@@ -2,8 +2,9 @@
 modules: the connection (`eldr.bus.connection`: connect, drain, the faults of a cluster),
 publishing and commit (`eldr.bus.publishing`: publish, `commit_once`, request), dead
 letters (`eldr.bus.deadletters`), the receivers (`eldr.bus.receivers`: serve, subscribe,
-consume, read back, and their delivery contracts) and the object store
-(`eldr.bus.objects`)."""
+consume, read back, and their delivery contracts; the receive sequence they share in
+`eldr.bus.delivery`, the durable pull consumer in `eldr.bus.consumer`, the ordered
+read-back in `eldr.bus.readback`) and the object store (`eldr.bus.objects`)."""
 
 from __future__ import annotations
 

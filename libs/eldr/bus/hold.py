@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from eldr.aio import wait_event
-from eldr.bus.receivers import Delivery
+from eldr.bus.delivery import Delivery
 
 T = TypeVar("T")
 
