@@ -42,7 +42,7 @@ def inject(case: str) -> None:
 
         plugin._register = broken_register  # type: ignore[assignment]
     elif case == "version":
-        plugin._vllm_version = lambda: "0.34.0"
+        plugin._vllm_version = lambda: "0.35.0"
     elif case in ("callback", "shared_experts"):
         bind = plugin._bind
 

@@ -39,7 +39,7 @@ CASES = {
     "step_end": ("failed", "step end raised RuntimeError: injected: fold failed"),
     "publisher": ("failed", "the publisher raised RuntimeError: injected: building the batches"),
     "register": ("failed", "register() raised RuntimeError: injected: register failed"),
-    "version": ("off", "vLLM 0.34.0 is outside the versions the plugin supports"),
+    "version": ("off", "vLLM 0.35.0 is outside the versions the plugin supports"),
 }
 
 

@@ -356,6 +356,12 @@ class CaptureState:
         """Keep every computed row on its request (`RequestCapture.rows`: the debug dump)."""
         self.inexact = 0
         """Requests whose computed counts could not be made exact (see `add_request`)."""
+        self.admitted: set[str] = set()
+        """Engine ids taken by `add_request` and not yet `drop`ped (finished or aborted):
+        a request the engine schedules as new once more is one it preempted and resumed."""
+        self.resumed = 0
+        """Requests scheduled as new again while admitted (a resumed request is re-sent
+        in full under Model Runner V2): ignored, their prefill already has its event."""
         g, budget = config.geometry, config.local_summary_bytes
         self.producer = PrefillProducer(
             config.worker_id,
@@ -390,8 +396,16 @@ class CaptureState:
 
         num_computed_tokens: prompt tokens the engine did not compute (prefix-cache and
         connector hits). Returns None when the whole prompt was cached: there is nothing
-        of this prefill to observe (a decode-side request).
+        of this prefill to observe (a decode-side request); and when `engine_id` is
+        admitted already: a preempted request the engine resumed, which Model Runner V2
+        schedules as a new one (its prompt's recomputed rows would make a second event;
+        one still in prefill keeps what was captured, as under V1, whose resumed requests
+        arrive as cached ones).
         """
+        if engine_id in self.admitted:
+            self.resumed += 1
+            return None
+        self.admitted.add(engine_id)
         tokens = np.asarray(token_ids, dtype=np.uint32)
         n_prompt = int(tokens.shape[0])
         if n_prompt == 0 or num_computed_tokens >= n_prompt:
@@ -427,8 +441,9 @@ class CaptureState:
         return capture
 
     def drop(self, engine_id: str) -> None:
-        """Forget a request (finished or aborted before its prefill completed)."""
+        """Forget a request (the engine finished or aborted it)."""
         self.requests.pop(engine_id, None)
+        self.admitted.discard(engine_id)
 
     def unavailable(self, capture: RequestCapture, problem: str, wall_s: float) -> PrefillDone:
         """The load-only PrefillDone of a tracked request whose rows cannot be trusted."""

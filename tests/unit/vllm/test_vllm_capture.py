@@ -83,6 +83,29 @@ def test_one_step_prefill_yields_every_full_block_and_the_done_event() -> None:
     assert len(s) == 0
 
 
+def test_a_resumed_request_scheduled_as_new_makes_no_second_event() -> None:
+    """Model Runner V2 re-sends a preempted request in full, as a new one (vLLM 0.34's
+    only path; 0.32's V2 already did): its prompt rows come again, its event does not."""
+    tokens, ids = prompt(11)
+    s = state()
+    s.add_request("e1", tokens, 0, 0.5, request_id="r1")
+    (done,) = run_one_step(s, "e1", ids, 0).done
+    assert done.request_id == "r1"
+    assert s.add_request("e1", tokens, 0, 2.0, request_id="r1") is None  # resumed
+    assert s.resumed == 1
+    assert run_one_step(s, "e1", ids, 0).done == []
+    # Preempted halfway through its prefill: the capture so far stays.
+    s.add_request("e2", tokens, 0, 0.5, request_id="r2")
+    s.on_step(["e2"], [4], np.arange(4), ids[:4], 1.0, 100.0)
+    assert s.add_request("e2", tokens, 0, 2.0, request_id="r2") is None
+    (done,) = run_one_step(s, "e2", ids, 0).done  # recomputed from 0, as the engine does
+    assert done.request_id == "r2"
+    assert done.prefill_s == pytest.approx(0.5)
+    # Once the engine finished it, the id is free again.
+    s.drop("e1")
+    assert s.add_request("e1", tokens, 0, 3.0, request_id="r1") is not None
+
+
 def test_prefix_hit_leaves_cached_blocks_to_the_signature_cache() -> None:
     tokens, ids = prompt(14)
     full, partial = summarize_blocks(tokens, ids, 4, E)
@@ -359,7 +382,9 @@ def test_no_budget_no_store_every_hit_asks_the_service() -> None:
         ("0.33.1+cpu", True),
         ("0.33.0rc1", True),
         ("0.31.9", False),
-        ("0.34.0", False),
+        ("0.34.0", True),
+        ("0.34.2+cu130", True),
+        ("0.35.0", False),
         ("1.0.0", False),
         ("?", False),
     ],
