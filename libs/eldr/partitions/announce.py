@@ -3,8 +3,10 @@ as `v{version}`, then a `PartitionAnnouncement` naming it to `{ns}.partition.act
 
 The one way a version is announced: the trainer (after a refit, and for a version a crash
 left unannounced), `eldr partitions activate` and the tests all call `announce_version`.
-The blob is put first and its hash checked against the database's, so an announcement
-never names an object that is missing or differs from the stored version.
+The blob's bytes, exactly as the database stores them (never re-encoded: a version stored
+as PartitionBlob v1 keeps its v1 bytes and hash), are put first and their hash checked
+against the database's, so an announcement never names an object that is missing or
+differs from the stored version.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ M = TypeVar("M", bound=Message)
 class PartitionBus(Protocol):
     """The part of `eldr.bus.Bus` that announcing a version needs."""
 
-    async def object_put(self, bucket: str, name: str, message: Message) -> ObjectRef: ...
+    async def object_put_bytes(self, bucket: str, name: str, data: bytes) -> ObjectRef: ...
 
     async def js_publish(
         self,
@@ -65,7 +67,7 @@ async def announce_version(
     """
     blob = stored.blob
     name = object_name(stored.version)
-    ref = await bus.object_put(bucket, name, blob)
+    ref = await bus.object_put_bytes(bucket, name, stored.blob_bytes)
     if ref.sha256 != stored.sha256:
         raise BlobMismatchError(
             f"object {name} hashes to {ref.sha256}, the database has {stored.sha256}"

@@ -6,9 +6,9 @@ announce it to the routers (roll back, or roll forward to a version retired earl
 Versions are immutable; activation only moves statuses (`eldr.store.repo.activate`: the
 current active version of the model is retired, a retired one may be activated again, a
 rejected one may not). The order is the trainer's: first the database (under the trainer's
-write lock, so it does not interleave with a refit's write), then the blob, rebuilt from
-the row and checked against the SHA-256 the row holds, is put in the object store as
-`v{VERSION}`, then a `PartitionAnnouncement` goes to `{ns}.partition.active`. Routers take
+write lock, so it does not interleave with a refit's write), then the blob the row stores,
+checked against the SHA-256 the row holds, is put in the object store as `v{VERSION}`,
+byte for byte, then a `PartitionAnnouncement` goes to `{ns}.partition.active`. Routers take
 the newest announcement, whatever its version number, so they swap to it within a second.
 Nothing is announced that is not committed; if the announcement fails the command says so
 and exits 1, and running it again is safe.
@@ -43,7 +43,7 @@ EXIT_USAGE = 2
 
 
 class ActivationError(RuntimeError):
-    """The version cannot be activated as asked (unknown, rejected, not reproducible)."""
+    """The version cannot be activated as asked (unknown, rejected, corrupt)."""
 
 
 def register(subparsers: Any) -> None:
@@ -70,19 +70,19 @@ def activate_version(
     sessions: sessionmaker[Session], version: int, *, note: str | None, lock_timeout_s: float
 ) -> StoredVersion:
     """Activate `version` in the database and return it with the blob that belongs to it."""
-    from eldr.partitions.writer import rebuild_stored, take_write_lock
+    from eldr.partitions.writer import stored_version, take_write_lock
     from eldr.store import repo
 
     try:
         with sessions.begin() as session:
             take_write_lock(session, lock_timeout_s)
-            record = repo.get(session, version)
-            # Rebuild and check before changing anything: a version whose blob cannot be
-            # reproduced exactly would be refused by every router.
+            # Read and check before changing anything: a version whose stored blob does not
+            # hash as its row says would be refused by every router.
             try:
-                stored = rebuild_stored(record)
-            except ValueError as exc:
+                record = repo.get(session, version)
+            except repo.CorruptVersionError as exc:
                 raise ActivationError(f"{exc}; not activating it") from exc
+            stored = stored_version(record)
             retired = repo.activate(session, version, note=note)
     except (repo.VersionNotFoundError, repo.InvalidTransitionError) as exc:
         raise ActivationError(str(exc)) from exc

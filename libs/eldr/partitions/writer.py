@@ -1,12 +1,12 @@
 """Storing a fitted partition as the new active version, one writer at a time.
 
-A version is immutable and its row carries the SHA-256 of the blob routers load, and the
-blob carries the version number, which the database assigns. So the writer, holding the
-write lock, reads the number the next insert will get, encodes the blob with it, inserts
-the row with the blob's hash, checks that the insert got that number, and activates the
-version, all in one transaction. If the number differs (a writer that bypassed the lock),
-the transaction is rolled back and the write tried again; nothing half-written is ever
-committed.
+A version is immutable; its row stores the blob routers load, byte for byte, with its
+SHA-256, and the blob carries the version number, which the database assigns. So the
+writer, holding the write lock, reads the number the next insert will get, encodes the blob
+with it, inserts the row with those bytes (the store checks that the insert got that
+number), and activates the version, all in one transaction. If the number differs (a
+writer that bypassed the lock), the transaction is rolled back and the write tried again;
+nothing half-written is ever committed. What is announced afterwards is the stored bytes.
 
 The write lock makes "only one trainer writes at a time" hold across processes and hosts:
 on PostgreSQL a transaction-scoped advisory lock (`pg_try_advisory_xact_lock`, polled up
@@ -27,7 +27,7 @@ from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from eldr.core.partition.partition import Partition
-from eldr.partitions.codec import partition_from_record, partition_to_blob, partition_to_record
+from eldr.partitions.codec import partition_from_blob, partition_to_blob
 from eldr.store import repo
 from eldr.store.models import PartitionVersion
 from eldr.wire import PartitionBlob, encode
@@ -78,40 +78,21 @@ def blob_for_version(
     return StoredVersion(version, retired, blob, data, hashlib.sha256(data).hexdigest())
 
 
-def rebuild_stored(record: repo.PartitionRecord, retired: int | None = None) -> StoredVersion:
-    """A stored version with its blob rebuilt from its row; ValueError if the blob does not
-    hash as the row says (every router would refuse it)."""
+def stored_version(record: repo.PartitionRecord, retired: int | None = None) -> StoredVersion:
+    """A stored version with the blob its row holds: the exact bytes to publish (the store
+    has checked that they hash as the row says and carry the row's version number)."""
     if record.version is None:
         raise ValueError("a stored partition record has a version")
-    stored = blob_for_version(partition_from_record(record, "exact"), record.version, retired)
-    if record.blob_sha256 not in (stored.sha256, _v1_sha256(stored.blob_bytes)):
-        raise ValueError(
-            f"version {record.version}: the blob rebuilt from the database hashes to "
-            f"{stored.sha256}, the row says {record.blob_sha256}"
-        )
-    return stored
-
-
-def _v1_sha256(data: bytes) -> str:
-    """The SHA-256 of the PartitionBlob v1 that a version stored before v2 was announced
-    with: the same fields, `prices` (always nil) after `workers` and `v` last. Such a row
-    holds that hash; its version is announced with the v2 blob and the v2 hash."""
-    fields: dict[str, object] = msgspec.msgpack.decode(data)
-    v1: dict[str, object] = {}
-    for key, value in fields.items():
-        if key != "v":
-            v1[key] = value
-        if key == "workers":
-            v1["prices"] = None
-    v1["v"] = 1
-    return hashlib.sha256(msgspec.msgpack.encode(v1)).hexdigest()
+    return StoredVersion(
+        record.version, retired, record.blob, record.blob_bytes, record.blob_sha256
+    )
 
 
 def load_active(sessions: sessionmaker[Session], model: str) -> Partition | None:
     """The active partition of `model` from the database (exact index), or None."""
     with sessions() as session:
         record = repo.get_active(session, model)
-    return None if record is None else partition_from_record(record, index_method="exact")
+    return None if record is None else partition_from_blob(record.blob, index_method="exact")
 
 
 def write_active_version(
@@ -217,18 +198,20 @@ def _write_once(
         take_write_lock(session, lock_timeout_s)
         expected = _next_version(session)
         stored = blob_for_version(partition, expected)
-        record = partition_to_record(
-            partition,
+        record = repo.PartitionRecord(
+            blob_bytes=stored.blob_bytes,
             seed=seed,
             n_train=n_train,
-            sha256=stored.sha256,
             parent_version=parent_version,
             note=note,
         )
-        version = repo.create_version(session, record)
-        if version != expected:
-            # Leaving the `with` block by an exception rolls the insert back.
-            raise VersionRaceError(f"expected version {expected}, the insert got {version}")
+        try:
+            version = repo.create_version(session, record)
+        except repo.BlobVersionMismatchError as exc:
+            # Leaving the `with` block by an exception rolls the transaction back.
+            raise VersionRaceError(
+                f"expected version {expected}, the insert got {exc.inserted}"
+            ) from exc
         if activate:
             retired = repo.activate(session, version)
         else:

@@ -33,7 +33,7 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
-from sqlalchemy.types import JSON, TypeDecorator
+from sqlalchemy.types import TypeDecorator
 
 # Explicit constraint names keep migrations stable across backends: without them PostgreSQL
 # and SQLite invent different names, and a later migration could not drop or alter them.
@@ -96,11 +96,15 @@ def utc_now() -> datetime:
 
 
 class PartitionVersion(Base):
-    """One fitted partition: centroids, their owners, and how the signatures were made.
+    """One fitted partition version: its blob, and what listings and queries need.
 
-    Arrays are stored as `.npy` bytes (dtype and shape travel with the data); see
-    `eldr.store.repo` for the conversion. `num_centroids` and `dim` repeat the centroid
-    shape so listings need not load the blob.
+    `blob` is the content: the encoded `eldr.wire.PartitionBlob` exactly as it was (or is
+    to be) published to the object store, stamped with this row's `id`; `blob_sha256` is
+    the SHA-256 of those bytes, the hash the announcements name. The other columns are not
+    in the blob (`status`, `note`, `seed`, `n_train`, `parent_version`, `created_at`) or
+    repeat a few numbers from it (`model`, `k`, `num_centroids`, `dim`, `num_moe_layers`,
+    `num_experts`) so that the one-active-per-model index, filters and listings need not
+    load the blob; `eldr.store.repo` checks them against the blob on the way in and out.
     """
 
     __tablename__ = "partition_versions"
@@ -113,21 +117,15 @@ class PartitionVersion(Base):
     k: Mapped[int] = mapped_column(Integer)
     num_centroids: Mapped[int] = mapped_column(Integer)
     dim: Mapped[int] = mapped_column(Integer)
-    transform: Mapped[str] = mapped_column(String(64))
     num_moe_layers: Mapped[int] = mapped_column(Integer)
     num_experts: Mapped[int] = mapped_column(Integer)
     # 64-bit: numpy seeds are often wider than a 32-bit INTEGER.
     seed: Mapped[int] = mapped_column(BigInteger)
     n_train: Mapped[int] = mapped_column(Integer)
-    centroids: Mapped[bytes] = mapped_column(LargeBinary)
-    owners: Mapped[list[int]] = mapped_column(JSON)
-    workers: Mapped[list[str]] = mapped_column(JSON)
-    idf: Mapped[bytes | None] = mapped_column(LargeBinary)
-    layer_mask: Mapped[bytes] = mapped_column(LargeBinary)
-    metrics: Mapped[dict[str, Any]] = mapped_column(JSON)
     parent_version: Mapped[int | None] = mapped_column(ForeignKey("partition_versions.id"))
     note: Mapped[str] = mapped_column(Text, default="")
     blob_sha256: Mapped[str] = mapped_column(String(64))
+    blob: Mapped[bytes] = mapped_column(LargeBinary)
 
     __table_args__ = (
         CheckConstraint(

@@ -1,31 +1,28 @@
 """Repository API for partition versions: plain records in, plain records out.
 
 Callers hand in a `sqlalchemy.orm.Session` (from a `sessionmaker` they own; this module
-holds no engine) and get back frozen dataclasses with numpy arrays, never ORM objects or
-bytes. The functions flush but never commit: the caller's transaction is the unit of work,
+holds no engine) and get back frozen dataclasses, never ORM objects. The functions flush
+but never commit: the caller's transaction is the unit of work,
 
     factory = make_session_factory(make_engine(url))
     with factory.begin() as session:        # commits on success, rolls back on error
         version = create_version(session, record)
         activate(session, version)
 
-Versions are immutable. Nothing here updates centroids or any other content of a stored
-version; only the status (candidate -> active -> retired, candidate -> rejected) and the
-note move. Arrays are stored as `.npy` bytes, so their dtype and shape travel with them.
+Versions are immutable. The content of a version is its blob: the encoded
+`eldr.wire.PartitionBlob`, byte for byte what is published to the object store, stamped with
+the version number; the row's `blob_sha256` is always the SHA-256 of those bytes. Nothing
+here updates a stored blob; only the status (candidate -> active -> retired, candidate ->
+rejected) and the note move.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
-import json
 import logging
-import re
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -33,16 +30,15 @@ from sqlalchemy import URL, Engine, create_engine, event, func, make_url, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from eldr.store.models import PartitionStatus, PartitionVersion
+from eldr.wire import PartitionBlob, WireError, decode
 
 log = logging.getLogger(__name__)
 
-CENTROID_DTYPE = np.dtype(np.float32)
-IDF_DTYPE = np.dtype(np.float32)
-LAYER_MASK_DTYPE = np.dtype(np.bool_)
+MAX_BLOB_BYTES = 1 << 30
+"""Largest blob the store reads or writes (the object store's readers have their own,
+smaller limit, `BusSettings.max_object_bytes`)."""
 
 MAX_MODEL_CHARS = 200
-MAX_TRANSFORM_CHARS = 64
-_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 DEFAULT_LIST_LIMIT = 50
@@ -57,7 +53,20 @@ class InvalidTransitionError(ValueError):
 
 
 class CorruptVersionError(ValueError):
-    """A stored array does not have the dtype or shape its row says it has."""
+    """A stored version's blob does not hash as its row says, does not decode, or does not
+    agree with the row (version number, model, sizes)."""
+
+
+class BlobVersionMismatchError(ValueError):
+    """The insert got another version number than the one the record's blob carries (a
+    writer that guessed the next number wrong); nothing was stored."""
+
+    def __init__(self, blob_version: int, inserted: int) -> None:
+        super().__init__(
+            f"the blob carries version {blob_version}, the insert got {inserted}; not stored"
+        )
+        self.blob_version = blob_version
+        self.inserted = inserted
 
 
 # --- engine ---------------------------------------------------------------------------------
@@ -113,119 +122,86 @@ def make_session_factory(engine: Engine) -> sessionmaker[Session]:
 # --- records --------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True)
 class PartitionRecord:
-    """One partition version as plain data.
+    """One partition version as plain data: its blob and what the blob does not hold.
 
-    centroids: float32 [num_centroids, dim], read-only (float input is cast to float32,
-    the storage precision). owners[c] is the worker slot of centroid c, workers[slot] the
-    worker id; k = len(workers). layer_mask: bool [num_moe_layers], the calibrated layers.
-    idf: float32 with num_moe_layers * num_experts entries (any shape, kept), or None for
-    transforms without IDF. metrics: a JSON object (no NaN/inf). blob_sha256: lowercase hex
-    SHA-256 of the partition blob published to the object store.
+    blob_bytes: the encoded `PartitionBlob`, exactly the bytes published to the object
+    store (at most MAX_BLOB_BYTES); `blob` is them decoded (validated, as every consumer
+    decodes them), and `blob_sha256` their SHA-256. The blob's `version` is the version
+    number: a new record carries the number its insert will get (`create_version` refuses
+    any other), a stored one its own. `model`, `k`, `num_centroids`, `dim`,
+    `num_moe_layers` and `num_experts` are read from the blob. seed, n_train,
+    parent_version and note describe the fit.
 
     `version`, `status` and `created_at` are filled in by the store: a new record leaves
     them at their defaults (created_at may be given; it defaults to the time of writing).
-    Compared by identity (numpy arrays have no single truth value).
     """
 
-    model: str
-    transform: str
-    num_moe_layers: int
-    num_experts: int
+    blob_bytes: bytes = field(repr=False)
     seed: int
     n_train: int
-    centroids: np.ndarray
-    owners: tuple[int, ...]
-    workers: tuple[str, ...]
-    layer_mask: np.ndarray
-    blob_sha256: str
-    idf: np.ndarray | None = None
-    metrics: Mapping[str, Any] = field(default_factory=dict)
     parent_version: int | None = None
     note: str = ""
     version: int | None = None
     status: PartitionStatus = PartitionStatus.CANDIDATE
     created_at: datetime | None = None
+    blob: PartitionBlob = field(init=False, repr=False, compare=False)
+    blob_sha256: str = field(init=False)
+    model: str = field(init=False, compare=False)
+    k: int = field(init=False, compare=False)
+    """Number of workers (slots)."""
+    num_centroids: int = field(init=False, compare=False)
+    dim: int = field(init=False, compare=False)
+    num_moe_layers: int = field(init=False, compare=False)
+    num_experts: int = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
-        _check_text("model", self.model, MAX_MODEL_CHARS)
-        _check_text("transform", self.transform, MAX_TRANSFORM_CHARS)
-        for name in ("num_moe_layers", "num_experts"):
-            if int(getattr(self, name)) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        data = bytes(self.blob_bytes)
+        object.__setattr__(self, "blob_bytes", data)
+        try:
+            blob = decode(data, PartitionBlob, MAX_BLOB_BYTES)
+        except WireError as exc:
+            raise ValueError(f"blob_bytes are not a valid partition blob: {exc}") from exc
+        _check_text("model", blob.model, MAX_MODEL_CHARS)
+        if not blob.workers:
+            raise ValueError("a partition needs at least one worker")
+        if len(set(blob.workers)) != len(blob.workers):
+            raise ValueError(f"worker ids must be unique: {blob.workers}")
+        n_centroids, dim = blob.centroids.shape
+        if n_centroids == 0 or dim == 0:
+            raise ValueError(f"centroids must be [num_centroids, dim], got {blob.centroids.shape}")
+        for name in ("centroids", "idf"):
+            array = getattr(blob, name)
+            if array is not None and not np.isfinite(array.to_numpy()).all():
+                raise ValueError(f"{name} contains NaN or inf")
+        if self.version is not None and blob.version != self.version:
+            raise ValueError(f"version {self.version} holds a blob of version {blob.version}")
         if self.n_train < 0:
             raise ValueError(f"n_train must be >= 0, got {self.n_train}")
         if not _INT64_MIN <= self.seed <= _INT64_MAX:
             raise ValueError(f"seed {self.seed} does not fit in 64 bits")
-
-        centroids = _float_array("centroids", self.centroids, CENTROID_DTYPE)
-        if centroids.ndim != 2 or centroids.shape[0] == 0 or centroids.shape[1] == 0:
-            raise ValueError(f"centroids must be [num_centroids, dim], got {centroids.shape}")
-        object.__setattr__(self, "centroids", centroids)
-
-        workers = tuple(str(w) for w in self.workers)
-        if not workers:
-            raise ValueError("a partition needs at least one worker")
-        if len(set(workers)) != len(workers):
-            raise ValueError(f"worker ids must be unique: {workers}")
-        object.__setattr__(self, "workers", workers)
-
-        owners = tuple(int(o) for o in np.asarray(self.owners).reshape(-1))
-        if len(owners) != centroids.shape[0]:
-            raise ValueError(f"{len(owners)} owners for {centroids.shape[0]} centroids")
-        if owners and not 0 <= min(owners) <= max(owners) < len(workers):
-            raise ValueError(f"owners must be worker slots in [0, {len(workers)})")
-        object.__setattr__(self, "owners", owners)
-
-        mask = np.asarray(self.layer_mask)
-        if mask.dtype != LAYER_MASK_DTYPE or mask.shape != (self.num_moe_layers,):
-            raise ValueError(
-                f"layer_mask must be bool [{self.num_moe_layers}], got {mask.dtype} {mask.shape}"
-            )
-        object.__setattr__(self, "layer_mask", _read_only(mask))
-
-        if self.idf is not None:
-            idf = _float_array("idf", self.idf, IDF_DTYPE)
-            if idf.size != self.num_moe_layers * self.num_experts:
-                raise ValueError(
-                    f"idf has {idf.size} entries, expected num_moe_layers * num_experts = "
-                    f"{self.num_moe_layers * self.num_experts}"
-                )
-            object.__setattr__(self, "idf", idf)
-
-        metrics = dict(self.metrics)
-        try:
-            json.dumps(metrics, allow_nan=False)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"metrics must be a JSON object without NaN/inf: {exc}") from exc
-        object.__setattr__(self, "metrics", MappingProxyType(metrics))
-
-        if not _SHA256_HEX.fullmatch(self.blob_sha256):
-            raise ValueError(f"blob_sha256 must be 64 lowercase hex digits: {self.blob_sha256!r}")
         if self.parent_version is not None and self.parent_version <= 0:
             raise ValueError(f"parent_version must be a version id, got {self.parent_version}")
         object.__setattr__(self, "status", PartitionStatus(self.status))
         if self.created_at is not None and self.created_at.tzinfo is None:
             raise ValueError("created_at must be timezone-aware")
-
-    @property
-    def k(self) -> int:
-        """Number of workers (slots)."""
-        return len(self.workers)
-
-    @property
-    def num_centroids(self) -> int:
-        return int(self.centroids.shape[0])
-
-    @property
-    def dim(self) -> int:
-        return int(self.centroids.shape[1])
+        for name, value in (
+            ("blob", blob),
+            ("blob_sha256", hashlib.sha256(data).hexdigest()),
+            ("model", blob.model),
+            ("k", len(blob.workers)),
+            ("num_centroids", int(n_centroids)),
+            ("dim", int(dim)),
+            ("num_moe_layers", blob.num_moe_layers),
+            ("num_experts", blob.num_experts),
+        ):
+            object.__setattr__(self, name, value)
 
 
 @dataclass(frozen=True)
 class VersionInfo:
-    """A partition version without its arrays, for listings."""
+    """A partition version without its blob, for listings (`get` has the content)."""
 
     version: int
     model: str
@@ -234,54 +210,16 @@ class VersionInfo:
     k: int
     num_centroids: int
     dim: int
-    transform: str
     n_train: int
     seed: int
     parent_version: int | None
     note: str
     blob_sha256: str
-    metrics: Mapping[str, Any]
 
 
 def _check_text(name: str, value: str, max_chars: int) -> None:
     if not value or len(value) > max_chars:
         raise ValueError(f"{name} must be 1..{max_chars} characters, got {value!r}")
-
-
-def _read_only(array: np.ndarray) -> np.ndarray:
-    array.setflags(write=False)
-    return array
-
-
-def _float_array(name: str, value: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    array = np.asarray(value)
-    if not np.issubdtype(array.dtype, np.floating):
-        raise ValueError(f"{name} must be a float array, got {array.dtype}")
-    # A private copy: the record must not change when the caller reuses its buffer.
-    array = np.array(array, dtype=dtype, order="C", copy=True)
-    if not np.isfinite(array).all():
-        raise ValueError(f"{name} contains NaN or inf")
-    return _read_only(array)
-
-
-# --- array <-> bytes ------------------------------------------------------------------------
-
-
-def _to_npy(array: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    # Little-endian on disk whatever the host, so a blob reads the same everywhere.
-    np.save(buffer, np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")))
-    return buffer.getvalue()
-
-
-def _from_npy(data: bytes, *, version: int, name: str, dtype: np.dtype) -> np.ndarray:
-    try:
-        array = np.load(io.BytesIO(data), allow_pickle=False)
-    except (ValueError, EOFError, OSError) as exc:
-        raise CorruptVersionError(f"version {version}: {name} is not valid .npy: {exc}") from exc
-    if array.dtype != dtype:
-        raise CorruptVersionError(f"version {version}: {name} is {array.dtype}, expected {dtype}")
-    return _read_only(array.astype(dtype, copy=False))
 
 
 def _to_row(record: PartitionRecord) -> PartitionVersion:
@@ -291,20 +229,14 @@ def _to_row(record: PartitionRecord) -> PartitionVersion:
         k=record.k,
         num_centroids=record.num_centroids,
         dim=record.dim,
-        transform=record.transform,
         num_moe_layers=record.num_moe_layers,
         num_experts=record.num_experts,
         seed=record.seed,
         n_train=record.n_train,
-        centroids=_to_npy(record.centroids),
-        owners=list(record.owners),
-        workers=list(record.workers),
-        idf=None if record.idf is None else _to_npy(record.idf),
-        layer_mask=_to_npy(record.layer_mask),
-        metrics=dict(record.metrics),
         parent_version=record.parent_version,
         note=record.note,
         blob_sha256=record.blob_sha256,
+        blob=record.blob_bytes,
     )
     if record.created_at is not None:
         row.created_at = record.created_at
@@ -312,38 +244,31 @@ def _to_row(record: PartitionRecord) -> PartitionVersion:
 
 
 def _from_row(row: PartitionVersion) -> PartitionRecord:
-    centroids = _from_npy(row.centroids, version=row.id, name="centroids", dtype=CENTROID_DTYPE)
-    if centroids.shape != (row.num_centroids, row.dim):
+    data = bytes(row.blob)
+    sha = hashlib.sha256(data).hexdigest()
+    if sha != row.blob_sha256:
         raise CorruptVersionError(
-            f"version {row.id}: centroids are {centroids.shape}, "
-            f"row says ({row.num_centroids}, {row.dim})"
+            f"version {row.id}: the stored blob hashes to {sha}, the row says {row.blob_sha256}"
         )
-    record = PartitionRecord(
-        model=row.model,
-        transform=row.transform,
-        num_moe_layers=row.num_moe_layers,
-        num_experts=row.num_experts,
-        seed=row.seed,
-        n_train=row.n_train,
-        centroids=centroids,
-        owners=tuple(row.owners),
-        workers=tuple(row.workers),
-        layer_mask=_from_npy(
-            row.layer_mask, version=row.id, name="layer_mask", dtype=LAYER_MASK_DTYPE
-        ),
-        blob_sha256=row.blob_sha256,
-        idf=None
-        if row.idf is None
-        else _from_npy(row.idf, version=row.id, name="idf", dtype=IDF_DTYPE),
-        metrics=row.metrics,
-        parent_version=row.parent_version,
-        note=row.note,
-        version=row.id,
-        status=PartitionStatus(row.status),
-        created_at=row.created_at,
-    )
-    if record.k != row.k:
-        raise CorruptVersionError(f"version {row.id}: {record.k} workers, row says k={row.k}")
+    try:
+        record = PartitionRecord(
+            blob_bytes=data,
+            seed=row.seed,
+            n_train=row.n_train,
+            parent_version=row.parent_version,
+            note=row.note,
+            version=row.id,
+            status=PartitionStatus(row.status),
+            created_at=row.created_at,
+        )
+    except ValueError as exc:
+        raise CorruptVersionError(f"version {row.id}: {exc}") from exc
+    for name in ("model", "k", "num_centroids", "dim", "num_moe_layers", "num_experts"):
+        if getattr(record, name) != getattr(row, name):
+            raise CorruptVersionError(
+                f"version {row.id}: the blob has {name}={getattr(record, name)!r}, "
+                f"the row says {getattr(row, name)!r}"
+            )
     return record
 
 
@@ -351,7 +276,12 @@ def _from_row(row: PartitionVersion) -> PartitionRecord:
 
 
 def create_version(session: Session, record: PartitionRecord) -> int:
-    """Store `record` as a new candidate version and return its version number."""
+    """Store `record` as a new candidate version and return its version number.
+
+    The number is the database's; it must be the one the record's blob carries, else
+    `BlobVersionMismatchError` (and nothing is stored). Callers that cannot know the next
+    number under a lock of their own use `eldr.partitions.writer`.
+    """
     if record.version is not None:
         raise ValueError(
             f"record is already version {record.version}; versions are immutable, "
@@ -366,6 +296,12 @@ def create_version(session: Session, record: PartitionRecord) -> int:
     row = _to_row(record)
     session.add(row)
     session.flush()
+    if row.id != record.blob.version:
+        inserted = row.id
+        # Leave no row with a blob of another version behind, whatever the caller does next.
+        session.delete(row)
+        session.flush()
+        raise BlobVersionMismatchError(record.blob.version, inserted)
     log.info(
         "stored partition version %d for model %s (k=%d, centroids=%d, dim=%d, n_train=%d)",
         row.id,
@@ -472,7 +408,7 @@ def get_active(session: Session, model: str) -> PartitionRecord | None:
 def list_versions(
     session: Session, model: str | None = None, limit: int = DEFAULT_LIST_LIMIT
 ) -> list[VersionInfo]:
-    """Newest first, without arrays; all models when `model` is None."""
+    """Newest first, without blobs; all models when `model` is None."""
     if limit <= 0:
         raise ValueError(f"limit must be positive, got {limit}")
     pv = PartitionVersion
@@ -484,13 +420,11 @@ def list_versions(
         pv.k,
         pv.num_centroids,
         pv.dim,
-        pv.transform,
         pv.n_train,
         pv.seed,
         pv.parent_version,
         pv.note,
         pv.blob_sha256,
-        pv.metrics,
     )
     if model is not None:
         query = query.where(pv.model == model)
@@ -504,13 +438,11 @@ def list_versions(
             k=row.k,
             num_centroids=row.num_centroids,
             dim=row.dim,
-            transform=row.transform,
             n_train=row.n_train,
             seed=row.seed,
             parent_version=row.parent_version,
             note=row.note,
             blob_sha256=row.blob_sha256,
-            metrics=MappingProxyType(dict(row.metrics)),
         )
         for row in session.execute(query)
     ]
@@ -548,6 +480,8 @@ def _lock_model_for_writes(session: Session, model: str, version_id: int) -> Non
 
 
 __all__ = [
+    "MAX_BLOB_BYTES",
+    "BlobVersionMismatchError",
     "CorruptVersionError",
     "InvalidTransitionError",
     "PartitionRecord",

@@ -68,12 +68,12 @@ from eldr.core.training.refit import (
 )
 from eldr.core.training.trainwindow import LiveWorkers, TrainingWindow
 from eldr.partitions.announce import BlobMismatchError, PartitionBus, announce_version
-from eldr.partitions.codec import partition_from_record
+from eldr.partitions.codec import partition_from_blob
 from eldr.partitions.writer import (
     StoredVersion,
     WriteLockTimeoutError,
     load_active,
-    rebuild_stored,
+    stored_version,
     write_active_version,
     write_rejected_version,
 )
@@ -225,8 +225,9 @@ class TrainerDatabase:
         return f"database {self.shown} unavailable: {detail[0] if detail else type(exc).__name__}"
 
     def newest_active(self, model: str | None, *, after: int = 0) -> StoredVersion | None:
-        """The newest active version of `model` numbered above `after`, with its blob
-        rebuilt (ValueError if that blob does not hash as stored)."""
+        """The newest active version of `model` numbered above `after`, with the blob its
+        row stores (`repo.CorruptVersionError`, a ValueError, if that blob does not hash as
+        the row says)."""
         with self.sessions()() as session:
             infos = [
                 i
@@ -236,7 +237,7 @@ class TrainerDatabase:
             if not infos:
                 return None
             record = repo.get(session, max(infos, key=lambda i: i.version).version)
-        return rebuild_stored(record)
+        return stored_version(record)
 
     def close(self) -> None:
         if self._engine is not None:
@@ -635,7 +636,7 @@ class Trainer:
                 self.observer.found_active(newest.version)
                 with sessions() as session:
                     record = repo.get(session, newest.version)
-                self.set_active(partition_from_record(record, "exact"))
+                self.set_active(partition_from_blob(record.blob, "exact"))
         except RefitFailed as exc:
             log.error("at start: %s; refits will retry", exc)
         except SQLAlchemyError as exc:

@@ -1,98 +1,102 @@
-"""PartitionRecord validation and the array <-> bytes encoding of the store (no database)."""
+"""PartitionRecord: a version's blob bytes and the fit facts the blob does not hold; what
+the record reads from the blob and what it refuses (no database)."""
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+from datetime import datetime
 from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
-from hypothesis.extra import numpy as hnp
 
 from eldr.store.models import PartitionStatus
-from eldr.store.repo import (
-    CorruptVersionError,
-    PartitionRecord,
-    _from_npy,
-    _to_npy,
-)
-
-SHA = hashlib.sha256(b"blob").hexdigest()
+from eldr.store.repo import PartitionRecord
+from eldr.wire import NdArray, PartitionBlob, RefitRequest, encode
 
 
-def record(**overrides: Any) -> PartitionRecord:
+def blob_bytes(**overrides: Any) -> bytes:
     fields: dict[str, Any] = {
+        "version": 3,
         "model": "m",
-        "transform": "count_idf",
+        "transform": "idf",
         "num_moe_layers": 2,
         "num_experts": 3,
-        "seed": 0,
-        "n_train": 10,
-        "centroids": np.eye(4, 5, dtype=np.float32),
-        "owners": (0, 1, 0, 1),
-        "workers": ("w0", "w1"),
-        "layer_mask": np.array([True, False]),
-        "blob_sha256": SHA,
+        "idf": NdArray.from_numpy(np.ones((2, 3), np.float32)),
+        "layer_mask": NdArray.from_numpy(np.array([1, 0], np.uint8)),
+        "centroids": NdArray.from_numpy(np.eye(4, 5, dtype=np.float32)),
+        "owners": [0, 1, 0, 1],
+        "workers": ["w0", "w1"],
+        "metrics": {"inertia": 1.0},
     }
     fields.update(overrides)
+    return encode(PartitionBlob(**fields))
+
+
+def record(data: bytes | None = None, **overrides: Any) -> PartitionRecord:
+    fields: dict[str, Any] = {"blob_bytes": blob_bytes() if data is None else data}
+    fields.update({"seed": 0, "n_train": 10} | overrides)
     return PartitionRecord(**fields)
 
 
-def test_derived_sizes() -> None:
-    rec = record()
-    assert (rec.k, rec.num_centroids, rec.dim) == (2, 4, 5)
+def test_what_the_record_reads_from_its_blob() -> None:
+    data = blob_bytes()
+    rec = record(data)
+    assert rec.blob_bytes == data
+    assert rec.blob_sha256 == hashlib.sha256(data).hexdigest()
+    assert rec.blob.version == 3
+    assert (rec.model, rec.k, rec.num_centroids, rec.dim) == ("m", 2, 4, 5)
+    assert (rec.num_moe_layers, rec.num_experts) == (2, 3)
 
 
-def test_float64_centroids_are_stored_as_float32() -> None:
-    assert record(centroids=np.eye(4, 5)).centroids.dtype == np.float32
+def test_a_copy_reads_its_own_blob() -> None:
+    other = blob_bytes(model="other", workers=["a", "b", "c"])
+    copy = dataclasses.replace(record(), blob_bytes=other)
+    assert (copy.model, copy.k) == ("other", 3)
+    assert copy.blob_sha256 == hashlib.sha256(other).hexdigest()
 
 
-def test_arrays_are_read_only_private_copies() -> None:
-    centroids = np.eye(4, 5, dtype=np.float32)
-    rec = record(centroids=centroids)
-    centroids[0, 0] = 9.0
-    assert rec.centroids[0, 0] == 1.0
-    with pytest.raises(ValueError, match="read-only"):
-        rec.centroids[0, 0] = 2.0
+def test_records_compare_by_value() -> None:
+    assert record() == record()
+    assert record() != record(note="other")
 
 
-def test_metrics_are_read_only() -> None:
-    rec = record(metrics={"inertia": 1.0})
-    with pytest.raises(TypeError):
-        rec.metrics["inertia"] = 2.0  # type: ignore[index]
+def test_a_buffer_is_kept_as_bytes() -> None:
+    data = blob_bytes()
+    assert record(bytearray(data)).blob_bytes == data
+    assert type(record(bytearray(data)).blob_bytes) is bytes
 
 
 @pytest.mark.parametrize(
-    ("overrides", "message"),
+    ("data", "overrides", "message"),
     [
-        ({"owners": (0, 1, 0)}, "3 owners for 4 centroids"),
-        ({"owners": (0, 1, 0, 2)}, "worker slots"),
-        ({"owners": (0, 1, 0, -1)}, "worker slots"),
-        ({"workers": ("w0", "w0")}, "unique"),
-        ({"workers": ()}, "at least one worker"),
-        ({"centroids": np.zeros((4,), np.float32)}, r"\[num_centroids, dim\]"),
-        ({"centroids": np.eye(4, 5, dtype=np.int32)}, "float array"),
-        ({"centroids": np.full((4, 5), np.nan, np.float32)}, "NaN"),
-        ({"layer_mask": np.array([1, 0])}, "bool"),
-        ({"layer_mask": np.array([True])}, "bool"),
-        ({"idf": np.ones(5, np.float32)}, "idf has 5 entries"),
-        ({"metrics": {"x": float("nan")}}, "JSON"),
-        ({"metrics": {"x": object()}}, "JSON"),
-        ({"blob_sha256": SHA.upper()}, "lowercase hex"),
-        ({"blob_sha256": "abc"}, "lowercase hex"),
-        ({"model": ""}, "model"),
-        ({"model": "x" * 201}, "model"),
-        ({"num_moe_layers": 0}, "num_moe_layers"),
-        ({"seed": 2**64}, "64 bits"),
-        ({"parent_version": 0}, "parent_version"),
+        (b"not msgpack", {}, "not a valid partition blob"),
+        (encode(RefitRequest(reason="x")), {}, "not a valid partition blob"),
+        (blob_bytes(workers=["w0", "w0"]), {}, "unique"),
+        (
+            blob_bytes(
+                owners=[], workers=[], centroids=NdArray.from_numpy(np.zeros((0, 5), np.float32))
+            ),
+            {},
+            "at least one worker",
+        ),
+        (blob_bytes(model="x" * 201), {}, "model"),
+        (
+            blob_bytes(centroids=NdArray.from_numpy(np.full((4, 5), np.nan, np.float32))),
+            {},
+            "NaN",
+        ),
+        (blob_bytes(), {"version": 4}, "holds a blob of version 3"),
+        (blob_bytes(), {"seed": 2**64}, "64 bits"),
+        (blob_bytes(), {"n_train": -1}, "n_train"),
+        (blob_bytes(), {"parent_version": 0}, "parent_version"),
+        (blob_bytes(), {"created_at": datetime(2026, 1, 1)}, "timezone-aware"),
     ],
 )
-def test_invalid_records_are_refused(overrides: dict[str, Any], message: str) -> None:
+def test_invalid_records_are_refused(data: bytes, overrides: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        record(**overrides)
+        record(data, **overrides)
 
 
 def test_status_strings_become_enum_members() -> None:
@@ -100,24 +104,6 @@ def test_status_strings_become_enum_members() -> None:
     assert rec.status is PartitionStatus.RETIRED
 
 
-@given(
-    hnp.arrays(
-        dtype=st.sampled_from([np.float32, np.bool_]),
-        shape=hnp.array_shapes(min_dims=1, max_dims=3, min_side=0, max_side=5),
-    )
-)
-def test_npy_encoding_round_trips_dtype_shape_and_values(array: np.ndarray) -> None:
-    decoded = _from_npy(_to_npy(array), version=1, name="a", dtype=array.dtype)
-    assert decoded.dtype == array.dtype
-    assert decoded.shape == array.shape
-    np.testing.assert_array_equal(decoded, array)
-
-
-def test_decoding_refuses_an_unexpected_dtype() -> None:
-    with pytest.raises(CorruptVersionError, match="float64"):
-        _from_npy(_to_npy(np.zeros(3)), version=1, name="a", dtype=np.dtype(np.float32))
-
-
-def test_decoding_refuses_garbage() -> None:
-    with pytest.raises(CorruptVersionError, match="not valid"):
-        _from_npy(b"not npy", version=1, name="a", dtype=np.dtype(np.float32))
+def test_the_blob_fields_cannot_be_set_directly() -> None:
+    with pytest.raises(TypeError):
+        PartitionRecord(blob_bytes=blob_bytes(), seed=0, n_train=1, model="x")  # type: ignore[call-arg]

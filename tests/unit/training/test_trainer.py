@@ -33,7 +33,6 @@ from eldr.wire import (
     Message,
     PartitionAnnouncement,
     SparseCounts,
-    encode,
 )
 from eldr_services.trainer.settings import TrainerSettings
 from support import messages
@@ -78,10 +77,10 @@ class FakeBus:
         self.fail = False
         self.corrupt = False
 
-    async def object_put(self, bucket: str, name: str, message: Message) -> ObjectRef:
+    async def object_put_bytes(self, bucket: str, name: str, data: bytes) -> ObjectRef:
         if self.fail:
             raise BusError("bus down")
-        data = encode(message) + (b"x" if self.corrupt else b"")
+        data += b"x" if self.corrupt else b""
         self.objects[(bucket, name)] = data
         return ObjectRef(bucket, name, len(data), hashlib.sha256(data).hexdigest())
 
