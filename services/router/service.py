@@ -10,8 +10,9 @@ bounded wait), decide (`eldr.core.routing.decide`), count the decision in the lo
 activity tables at once, commit it with "expected last subject sequence 0" on the
 request's decision subject (the first decision for a request id wins; a redelivery reads
 the committed one instead of deciding again; a decision that does not stand is taken back
-out of the tables), answer the requester, ack. What each input does to the tables is the
-router role's (`eldr.roles.router`); this shell adds the transport, the metrics and the logs.
+out of the tables), answer the requester (`replies.Replies`), ack. What each input does to
+the tables is the router role's (`eldr.roles.router`); this shell adds the transport, the
+metrics and the logs.
 """
 
 from __future__ import annotations
@@ -26,13 +27,11 @@ import numpy as np
 
 from eldr.bus import (
     ROUTER_CONSUMER,
-    BusError,
     Committed,
     Delivery,
     Retry,
     build_topology,
     hold_while,
-    is_reply_inbox,
 )
 from eldr.bus.topology import DECISIONS, IDENTITY, PARTITIONS, PREFILL
 from eldr.core.routing.decide import NoLiveWorkersError, RouteOutcome
@@ -56,16 +55,13 @@ from eldr.wire.records import expired_outcome
 from .metrics import RouterMetrics
 from .partitions import PartitionLoader
 from .rebuild import rebuild_at_start
+from .replies import Replies
 from .settings import RouterSettings
 from .signatures import Signatures
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-REPLY_PREFIXES = ("_INBOX",)
-"""Requesters wait on inboxes: a PrefillDone.reply_to outside them is never answered (under
-the generated permissions the server narrows it to the requester roles' own prefixes)."""
 
 
 class RouterService:
@@ -82,6 +78,7 @@ class RouterService:
         self.table = self.core.table
         self.events = RouterEvents(self.core)
         self.signatures = Signatures(ctx.bus, s, self.core, self.metrics)
+        self.replies = Replies(ctx.bus, self.metrics)
         self.partitions = PartitionLoader(
             ctx.bus,
             self.topology.partitions_bucket,
@@ -193,7 +190,7 @@ class RouterService:
                 # Committed before (an ack that never came back, another replica): count
                 # it, as any committed decision, and answer with it.
                 self._count_record(existing)
-                await self._answer(msg, existing, already=True)
+                await self.replies.answer(msg, existing, already=True)
                 return
         signature: Assembled | None = None
         outcome: RouteOutcome | None = None
@@ -215,7 +212,7 @@ class RouterService:
         counts = None if signature is None else signature.counts
         if await self._commit(msg, subject, record, counts, delivery):
             self._done(msg, record, outcome, taken)
-            await self._answer(msg, record, already=False)
+            await self.replies.answer(msg, record, already=False)
 
     async def _decide(
         self, msg: PrefillDone, signature: Assembled, delivery: Delivery
@@ -276,7 +273,7 @@ class RouterService:
         if record.assigned:
             self.core.release(record.worker_id, msg.request_id)
         self._count_record(committed.record)
-        await self._answer(msg, committed.record, already=True)
+        await self.replies.answer(msg, committed.record, already=True)
         return False
 
     def _done(
@@ -308,30 +305,6 @@ class RouterService:
             keepalive_every_s=self.settings.router_ack_wait_s / 3,
             stopping=self.ctx.stopping,
         )
-
-    async def _answer(self, msg: PrefillDone, decision: Decision, *, already: bool) -> None:
-        if already:
-            self.metrics.already_decided.inc()
-            log.info(
-                "request %s was already decided (worker %s); answering with that",
-                msg.request_id,
-                decision.worker_id,
-            )
-        if msg.reply_to and not is_reply_inbox(msg.reply_to, REPLY_PREFIXES):
-            # The router publishes with its own rights, which include `decisions.*`: an
-            # event naming another request's decision subject as its reply_to would have it
-            # write a second, unchecked decision there (the stream records core publishes).
-            log.warning(
-                "request %s: reply_to %r is not an inbox (%s...): not answered",
-                msg.request_id,
-                msg.reply_to[:80],
-                REPLY_PREFIXES[0],
-            )
-        elif msg.reply_to:
-            try:
-                await self.bus.publish(msg.reply_to, decision)
-            except BusError as exc:  # the decision is committed; the requester can read it
-                log.warning("could not answer %s for %s: %s", msg.reply_to, msg.request_id, exc)
 
 
 async def setup(ctx: ServiceContext[RouterSettings]) -> None:
