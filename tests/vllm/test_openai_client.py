@@ -224,7 +224,13 @@ async def generated_tokens(engines: Engines) -> float:
 
 async def test_a_client_that_times_out_stops_the_decode(front: Front, engines: Engines) -> None:
     """A non-streamed request the client gives up on must not decode to max_tokens (it
-    did: 800 tokens against 101 when asked directly, plus the SDK's retries)."""
+    did: 800 tokens against 101 when asked directly, plus the SDK's retries).
+
+    What is asserted is that the decode stopped before its end; how soon is printed, not
+    asserted (a test is no benchmark): on 2 busy cores with three engines, one CI run's
+    engine had decoded 656 of the 800 tokens when the hang-up reached it, most runs' fewer
+    than 400."""
+    max_tokens = 800
     before = await generated_tokens(engines)
     impatient = front.gateway.with_options(timeout=1.5, max_retries=0)
     started = time.monotonic()
@@ -232,18 +238,19 @@ async def test_a_client_that_times_out_stops_the_decode(front: Front, engines: E
         await impatient.completions.create(
             model=MODEL_NAME,
             prompt=prompt(front, "impatient"),
-            max_tokens=800,
+            max_tokens=max_tokens,
             temperature=0,
             extra_body=EXTRA,
         )
     # Whatever the decode produced until the hang-up reached it, it stops there: wait for
-    # the count to settle, then compare with the 800 it would have run to.
+    # the count to settle, then compare with the max_tokens it would have run to.
     settled, last = before, -1.0
     while settled != last and time.monotonic() - started < 60:
         last = settled
         await asyncio.sleep(2.0)
         settled = await generated_tokens(engines)
-    assert settled - before < 400, (before, settled)
+    print(f"\ndecoded {settled - before:.0f} of {max_tokens} tokens for a client that left")
+    assert settled - before < max_tokens, (before, settled)
 
 
 async def seen_and_aborted(engines: Engines, front: Front, worker: str) -> tuple[int, float]:
