@@ -350,13 +350,15 @@ class Gateway:
             # The client went away while this instance worked on the request: the
             # connection is closed, vLLM aborts it, and the abort is this worker's (its
             # adapter counts it).
+            # Counted, not logged above debug: a hang-up is a client's right
+            # (eldr_gateway_client_aborts_total; its finish event says "abort").
             self.metrics.client_aborts.inc()
             await self._publish_finish(
                 finish.finished(name, "abort", decode_s=time.perf_counter() - started)
             )
             if isinstance(gone, asyncio.CancelledError):
                 raise
-            log.info("client of %s went away during the decode", request_id)
+            log.debug("client of %s went away during the decode", request_id)
             return web.Response(status=CLIENT_GONE_STATUS)  # reaches nobody
         reason: FinishReason = "error"
         tokens: int | None = None
@@ -444,7 +446,7 @@ class Gateway:
             self.metrics.client_aborts.inc()
             if isinstance(gone, asyncio.CancelledError):
                 raise
-            log.info("client of %s went away mid-stream", request_id)
+            log.debug("client of %s went away mid-stream", request_id)
             # The client is gone: what is returned reaches nobody.
             return out if out is not None else web.Response(status=CLIENT_GONE_STATUS)
         finally:
@@ -539,7 +541,7 @@ class Gateway:
                 self.metrics.client_aborts.inc()
             if isinstance(gone, asyncio.CancelledError):
                 raise
-            log.info("client of %s went away before the decode", request_id)
+            log.debug("client of %s went away before the decode", request_id)
             return web.Response(status=CLIENT_GONE_STATUS, headers=ids)  # reaches nobody
         finally:
             # Whatever happened before a decode worker took the request (prefill failed,
